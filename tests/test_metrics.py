@@ -1,0 +1,233 @@
+"Metrics across modules: the `medsafe metrics` command body, parquet round trips, and the vectorised metrics against naive loops."
+import filecmp
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from medsafe_nb.metrics import (
+    MetricsError, bootstrap_counts, breakdowns, condition_metrics, demo_predictions, mcnemar_table,
+    mean_over_models, mean_over_splits, metrics_command, overall_metrics, predictions_from_answers,
+    probability_shift, read_predictions, table1, validate_predictions, TABLE1_COLUMNS, BREAKDOWN_COLUMNS,
+)
+from medsafe_nb.schema import MedsafeError
+
+
+@pytest.fixture(scope="module")
+def preds():
+    return demo_predictions(120, models=("m-a", "m-b@low", "m-b@high"), seed=7, logprob=True)
+
+
+@pytest.fixture()
+def run_dirs(tmp_path, preds):
+    dirs = []
+    for m in preds.model.unique():
+        d = tmp_path / m.replace("@", "_")
+        d.mkdir()
+        preds[preds.model == m].to_parquet(d / "predictions.parquet", index=False)
+        dirs.append(str(d))
+    return dirs
+
+
+# ---- naive reference implementations (loops, straight from DESIGN §1) ----
+
+def _right(r):
+    return bool(r.correct) and r.status == "ok" and r.pred is not None and not pd.isna(r.pred)
+
+
+def naive_metrics(df):
+    "Per model: dict of percent metrics, computed row by row"
+    out = {}
+    for model, d in df.groupby("model", sort=False):
+        clean = {r.item_id: _right(r) for r in d[d.condition == "clean"].itertuples()}
+        qcc = {i for i, ok in clean.items() if ok}
+        res = {}
+        for cond in ("clean", "type1", "type2"):
+            rows = list(d[d.condition == cond].itertuples())
+            res[f"{cond}_acc"] = 100 * np.mean([_right(r) for r in rows])
+            cc_rows = [r for r in rows if r.item_id in qcc]
+            if cond != "clean":
+                res[f"{cond}_asr"] = 100 * np.mean([not _right(r) for r in cc_rows]) if cc_rows else np.nan
+            if cond == "type1":
+                res["type1_tasr"] = (100 * np.mean([r.status == "ok" and r.pred == r.target for r in cc_rows])
+                                     if cc_rows else np.nan)
+        out[model] = res
+    return out
+
+
+def test_table1_matches_naive_loops(preds):
+    t1 = table1(preds, n_boot=0).set_index("model")
+    for model, res in naive_metrics(preds).items():
+        for k, v in res.items():
+            assert t1.loc[model, k] == pytest.approx(v), (model, k)
+    assert list(table1(preds, n_boot=0).columns[:8]) == TABLE1_COLUMNS
+
+
+def test_breakdowns_match_naive_loops(preds):
+    bd = breakdowns(preds, mean_row=True)
+    assert list(bd.columns[:7]) == BREAKDOWN_COLUMNS
+    for dim, col in (("provenance", "provenance"), ("content", "content"), ("split", "source")):
+        for key in preds[col].unique():
+            sub = preds[preds[col] == key]
+            naive = naive_metrics(sub)
+            for model, res in naive.items():
+                row = bd[(bd.model == model) & (bd.dimension == dim) & (bd.category_key == key)].iloc[0]
+                assert row.type1_asr == pytest.approx(res["type1_asr"], nan_ok=True)
+                assert row.type1_tasr == pytest.approx(res["type1_tasr"], nan_ok=True)
+            mean = bd[(bd.model == "Mean") & (bd.dimension == dim) & (bd.category_key == key)].iloc[0]
+            assert mean.type1_asr == pytest.approx(np.nanmean([r["type1_asr"] for r in naive.values()]))
+
+
+def test_breakdown_categories_use_paper_names(preds):
+    "Display names come from the taxonomy and match the paper's breakdown table, so the plots line up"
+    from medsafe_nb.plots import paper_reference
+    paper = paper_reference()["breakdowns"]
+    bd = breakdowns(preds)
+    for dim in ("provenance", "content"):
+        assert set(bd[bd.dimension == dim].category) <= set(paper[paper.dimension == dim].category)
+
+
+def test_bootstrap_equals_loop_over_the_same_resamples(preds):
+    "The vectorised bootstrap equals recomputing the metric on each resample, with Q_cc recomputed"
+    one = preds[preds.model == "m-a"]
+    n_boot = 40
+    t1 = table1(one, n_boot=n_boot, seed=3, level=0.9)
+    items = np.unique(one.item_id.astype(str))
+    counts = bootstrap_counts(len(items), n_boot, seed=3)
+    by_item = {i: g for i, g in one.groupby("item_id")}
+    vals = []
+    for w in counts:
+        sample = pd.concat([by_item[i].assign(item_id=f"{i}#{k}") for i, c in zip(items, w) for k in range(int(c))])
+        vals.append(naive_metrics(sample)["m-a"]["type1_asr"])
+    lo, hi = np.percentile(vals, [5, 95])
+    assert t1.type1_asr_lo[0] == pytest.approx(lo) and t1.type1_asr_hi[0] == pytest.approx(hi)
+
+
+def test_bootstrap_deterministic_and_paired_across_models(preds):
+    a = table1(preds, n_boot=200, seed=1, mean_row=True)
+    b = table1(preds, n_boot=200, seed=1, mean_row=True)
+    pd.testing.assert_frame_equal(a, b)
+    c = table1(preds, n_boot=200, seed=2, mean_row=True)
+    assert not a.type1_asr_lo.equals(c.type1_asr_lo)
+    # the same model under two names draws the same resamples: identical intervals
+    twin = pd.concat([preds[preds.model == "m-a"], preds[preds.model == "m-a"].assign(model="twin")])
+    t = table1(twin, n_boot=200, seed=1)
+    assert t.type1_asr_lo[0] == t.type1_asr_lo[1] and t.type1_asr_hi[0] == t.type1_asr_hi[1]
+
+
+def test_bootstrap_counts_are_resamples_with_replacement():
+    c = bootstrap_counts(50, 1000, seed=0)
+    assert c.shape == (1000, 50) and (c.sum(1) == 50).all()
+    assert abs(c.mean() - 1) < 1e-12 and 0.9 < c.var() < 1.1  # Multinomial(50, 1/50): variance ~ 0.98
+
+
+def test_empty_clean_correct_set_gives_nan():
+    hopeless = predictions_from_answers([dict(item_id="q1", gold="A", clean="B", type1="B", target="B", type2="B")])
+    t1 = table1(hopeless, n_boot=50)
+    assert t1.n_clean_correct[0] == 0
+    assert np.isnan(t1.type1_asr[0]) and np.isnan(t1.type1_tasr[0]) and np.isnan(t1.type2_asr[0])
+    assert np.isnan(t1.type1_asr_lo[0])
+
+
+def test_mean_is_not_overall():
+    rows = [dict(model="m1", item_id=f"q{i}", source="S1" if i == 0 else "S2", gold="A", clean="A", target="B",
+                 type1="B" if i == 0 else "A", type2="A") for i in range(4)]
+    rows.append(dict(model="m2", item_id="q0", source="S1", gold="A", clean="A", target="B", type1="B", type2="A"))
+    p = predictions_from_answers(rows)
+    overall = overall_metrics(p)
+    assert overall.type1_asr.to_dict() == {"m1": 25.0, "m2": 100.0}
+    assert mean_over_splits(p).type1_asr["m1"] == 50.0
+    assert mean_over_models(overall).type1_asr == 62.5
+    assert table1(p, n_boot=0, mean_row=True).type1_asr.iloc[-1] == 62.5
+
+
+def test_mcnemar_table(preds):
+    mc = mcnemar_table(preds)
+    assert set(mc.comparison) == {"condition", "model"}
+    assert ((mc.p_value >= 0) & (mc.p_value <= 1) & (mc.p_holm >= mc.p_value)).all()
+    # a_only / b_only agree with a direct count
+    r = mc[(mc.model_a == "m-a") & (mc.condition_b == "type1")].iloc[0]
+    d = preds[preds.model == "m-a"].set_index(["condition", "item_id"])
+    ok = d.correct & d.status.eq("ok") & d.pred.notna()
+    assert r.a_only == int((ok["clean"] & ~ok["type1"].reindex(ok["clean"].index)).sum())
+
+
+def test_probability_shift_contract(preds):
+    ps = probability_shift(preds, n_boot=100)
+    assert (ps.p_target_shift > 0).all() and (ps.p_gold_drop > 0).all()
+    no_clean = preds.assign(p_target=preds.p_target.where(preds.condition != "clean"))
+    with pytest.raises(MetricsError, match="clean rows carry no p_target"):
+        probability_shift(no_clean)
+
+
+def test_validation_errors_are_medsafe_errors(preds):
+    with pytest.raises(MedsafeError, match="empty"):
+        validate_predictions(preds.iloc[:0])
+    with pytest.raises(ValueError, match="missing column"):
+        validate_predictions(preds.drop(columns="correct"))
+    with pytest.raises(MetricsError, match="unknown condition 'type3'"):
+        validate_predictions(preds.assign(condition="type3"))
+
+
+def test_parquet_round_trip_keeps_null_targets(run_dirs, preds):
+    df = read_predictions(run_dirs[0])
+    assert df[df.condition == "clean"].target.isna().all()
+    assert df[df.condition == "type1"].target.notna().all()
+    pd.testing.assert_frame_equal(table1(df, n_boot=0), table1(preds[preds.model == "m-a"], n_boot=0))
+
+
+def test_metrics_command_writes_identical_files(tmp_path, run_dirs):
+    out1, out2 = tmp_path / "o1", tmp_path / "o2"
+    tables = metrics_command(run_dirs, out=str(out1), n_boot=100, seed=0)
+    metrics_command(run_dirs, out=str(out2), n_boot=100, seed=0)
+    names = sorted(p.name for p in out1.iterdir())
+    assert names == sorted(f"{t}.{x}" for t in ("table1", "breakdowns", "mcnemar", "logprob") for x in ("csv", "md", "tex"))
+    match, mismatch, errors = filecmp.cmpfiles(out1, out2, names, shallow=False)
+    assert match == names, (mismatch, errors)
+    t1 = pd.read_csv(out1 / "table1.csv")
+    assert list(t1.columns[:8]) == TABLE1_COLUMNS and t1.model.tolist()[-1] == "Mean"
+    assert (t1.type1_asr * 10).round(6).eq((t1.type1_asr * 10).round()).all()  # one decimal
+    assert set(tables) == {"table1", "breakdowns", "mcnemar", "logprob"}
+
+
+def test_metrics_command_errors_name_the_path(tmp_path, run_dirs):
+    with pytest.raises(MetricsError, match="nowhere/predictions.parquet: no such file"):
+        metrics_command([str(tmp_path / "nowhere")], out=str(tmp_path / "o"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "predictions.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(MetricsError, match="bad/predictions.parquet: not a readable parquet"):
+        metrics_command([str(bad)], out=str(tmp_path / "o"))
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    pd.DataFrame({"model": ["x"]}).to_parquet(wrong / "predictions.parquet")
+    with pytest.raises(MetricsError, match="wrong/predictions.parquet: missing column"):
+        metrics_command([str(wrong)], out=str(tmp_path / "o"))
+    with pytest.raises(MetricsError, match="the same rows appear more than once"):
+        metrics_command([run_dirs[0], run_dirs[0]], out=str(tmp_path / "o"))
+
+
+def test_metrics_command_is_typer_compatible(tmp_path, run_dirs):
+    app = typer.Typer()
+    app.command("metrics")(metrics_command)
+    app.command("other")(lambda: None)  # two commands, so the subcommand name is used as in `medsafe metrics`
+    res = CliRunner().invoke(app, ["metrics", *run_dirs, "--out", str(tmp_path / "cli"), "--n-boot", "50", "--seed", "1"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "cli" / "table1.csv").is_file() and (tmp_path / "cli" / "breakdowns.md").is_file()
+    res = CliRunner().invoke(app, ["metrics", *run_dirs])
+    assert res.exit_code != 0 and "--out" in res.output
+
+
+def test_condition_metrics_extra_conditions():
+    "type1_all (several targets per item) counts each row once; McNemar skips it"
+    rows = [dict(item_id="q1", gold="A", clean="A", type1="B", target="B", type2="A")]
+    p = predictions_from_answers(rows)
+    extra = pd.DataFrame([dict(p.iloc[1]) | dict(condition="type1_all", target=t, pred=a, correct=a == "A")
+                          for t, a in (("B", "B"), ("C", "A"), ("D", "A"))])
+    cm = condition_metrics(pd.concat([p, extra])).set_index("condition")
+    assert cm.loc["type1_all", "asr"] == pytest.approx(100 / 3)
+    assert cm.loc["type1_all", "tasr"] == pytest.approx(100 / 3)
+    assert "type1_all" not in set(mcnemar_table(pd.concat([p, extra]), conditions=("type1", "type1_all")).condition_b)
