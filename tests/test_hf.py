@@ -1,0 +1,143 @@
+"""The hf backend end to end on the tiny model: generate, score, truncation, determinism, thinking, and data
+parallelism across two CPU processes (torchrun, gloo)."""
+import json, os, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+from medsafe_nb.backends import GenRequest, ScoreRequest, make_backend
+from medsafe_nb.protocols import render_messages, type1_target
+from medsafe_nb.schema import Item
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def items(n=6):
+    "Hand-made items with contexts, of varied lengths (so batches are sorted and padded)"
+    out = []
+    for i in range(n):
+        opts = {"A": "Lisinopril", "B": "Hydrochlorothiazide", "C": "Amlodipine", "D": "Metoprolol", "E": "Watchful waiting"}
+        opts = dict(list(opts.items())[:3 + i % 3])
+        out.append(Item(f"t{i}", "A 58-year-old man with diabetes and albuminuria has a blood pressure of 150/95 mmHg. " * (1 + i % 3)
+                        + "Which drug should be started first?", opts, ("A",),
+                        contexts={k: f"A senior clinician insists that {v} is always first-line." for k, v in opts.items()}))
+    return out
+
+
+def messages(conditions=("clean", "type1", "type2")):
+    return [tuple(render_messages(it, c, type1_target(it) if c == "type1" else None)) for it in items() for c in conditions]
+
+
+def test_generate(tiny_backend):
+    reqs = [GenRequest(m) for m in messages()]
+    got = dict(tiny_backend.generate(reqs))
+    assert sorted(got) == list(range(len(reqs)))
+    for i, g in got.items():
+        assert g.finish_reason in ("stop", "length") and g.error is None
+        assert g.prompt_tokens > 0 and 0 < g.completion_tokens <= 8 and g.latency_s > 0
+
+
+def test_truncation_is_length(tiny_backend):
+    reqs = [GenRequest(m, max_new_tokens=3) for m in messages(("clean",))]
+    got = dict(tiny_backend.generate(reqs))
+    assert {g.finish_reason for g in got.values()} == {"length"}       # random weights: no end-of-turn in 3 tokens
+    assert {g.completion_tokens for g in got.values()} == {3}
+
+
+def test_per_request_caps_and_determinism(tiny_backend):
+    reqs = [GenRequest(m, max_new_tokens=[2, 5, None][i % 3]) for i, m in enumerate(messages())]
+    first = {i: (g.text, g.finish_reason, g.completion_tokens) for i, g in tiny_backend.generate(reqs)}
+    again = {i: (g.text, g.finish_reason, g.completion_tokens) for i, g in tiny_backend.generate(reqs)}
+    assert first == again
+    assert {first[i][2] for i in range(0, len(reqs), 3)} == {2}
+    assert all(first[i][2] <= 8 for i in range(2, len(reqs), 3))       # None: the backend's cap (8)
+
+
+def test_batching_does_not_change_greedy_text(tiny_model_dir, tiny_backend):
+    from medsafe_nb.hf import HFBackend
+    reqs = [GenRequest(m) for m in messages()]
+    batched = {i: g.text for i, g in tiny_backend.generate(reqs)}
+    single = {i: g.text for i, g in HFBackend(str(tiny_model_dir), batch_size=1, max_new_tokens=8).generate(reqs)}
+    assert batched == single
+
+
+def test_score(tiny_backend):
+    import math
+    its = items()
+    reqs = [ScoreRequest(tuple(render_messages(it, "type2")), it.keys) for it in its]
+    got = dict(tiny_backend.score(reqs))
+    assert sorted(got) == list(range(len(reqs)))
+    for i, s in got.items():
+        assert set(s.logprobs) == set(its[i].keys) and s.error is None
+        assert all(v < 0 for v in s.logprobs.values()) and sum(map(math.exp, s.logprobs.values())) < 1
+    again = dict(tiny_backend.score(reqs))
+    assert {i: s.logprobs for i, s in again.items()} == {i: s.logprobs for i, s in got.items()}
+
+
+def test_thinking_switch_changes_prompt(tiny_model_dir):
+    from medsafe_nb.hf import HFBackend
+    m = messages(("clean",))[0]
+    on, off = (HFBackend(str(tiny_model_dir), thinking=t) for t in (True, False))
+    assert on.prompt_text(m, on.thinking) != off.prompt_text(m, off.thinking)
+    assert off.prompt_text(m, off.thinking).endswith("<think>\n\n</think>\n\n")
+    assert on.identity() != off.identity()                # different prompts, different ledger keys
+    assert on.identity()["thinking"] is True and off.identity()["thinking"] is False
+
+
+def test_make_backend_spec(tiny_model_dir):
+    b = make_backend(f"hf:{tiny_model_dir}", max_new_tokens=4)
+    assert b.name == f"hf:{tiny_model_dir}" and b.identity()["max_new_tokens"] == 4 and b.is_llm
+
+
+DP_WORKER = r'''
+import json, os, sys
+from transformers.utils import logging as hf_logging
+hf_logging.disable_progress_bar()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from medsafe_nb.hf import HFBackend
+from medsafe_nb.backends import GenRequest, ScoreRequest, is_main_process
+from test_hf_items import messages, items
+from medsafe_nb.protocols import render_messages
+b = HFBackend(sys.argv[1], batch_size=2, max_new_tokens=6)
+gen = [(i, g.text, g.finish_reason, g.completion_tokens) for i, g in b.generate([GenRequest(m) for m in messages()])]
+sco = [(i, s.logprobs) for i, s in b.score([ScoreRequest(tuple(render_messages(it, "type2")), it.keys) for it in items()])]
+out = {"rank": int(os.environ.get("RANK", 0)), "world": int(os.environ.get("WORLD_SIZE", 1)), "gen": gen, "score": sco}
+with open(f"{sys.argv[2]}.rank{out['rank']}.json", "w") as f: json.dump(out, f)
+if is_main_process():
+    with open(sys.argv[2], "w") as f: json.dump(out, f)
+'''
+
+
+def test_data_parallel_two_cpu_processes(tmp_path, tiny_model_dir):
+    "torchrun --nproc_per_node 2 (gloo): every index once on every rank, the same texts as one process"
+    import inspect
+    (tmp_path / "test_hf_items.py").write_text("from medsafe_nb.schema import Item\nfrom medsafe_nb.protocols import render_messages, type1_target\n"
+                                               + inspect.getsource(items) + "\n" + inspect.getsource(messages))
+    (tmp_path / "worker.py").write_text(DP_WORKER)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    single, multi = tmp_path / "single.json", tmp_path / "multi.json"
+    def run(*cmd):
+        p = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try: out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.terminate()                                  # torchrun forwards SIGTERM to its workers (SIGKILL would orphan them)
+            try: p.communicate(timeout=30)
+            except subprocess.TimeoutExpired: p.kill(); p.communicate()
+            raise
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    r1 = run(sys.executable, "worker.py", str(tiny_model_dir), str(single))
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             "worker.py", str(tiny_model_dir), str(multi))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    one, dp = json.loads(single.read_text()), json.loads(multi.read_text())
+    assert (one["world"], dp["world"]) == (1, 2)
+    n_gen, n_sco = len(messages()), len(items())
+    for rank in (0, 1):                                    # every rank yields every result, each index once
+        got = json.loads((tmp_path / f"multi.json.rank{rank}.json").read_text())
+        assert sorted(i for i, *_ in got["gen"]) == list(range(n_gen))
+        assert sorted(i for i, _ in got["score"]) == list(range(n_sco))
+    # greedy: the same texts whichever process and batch computed them (true on the tiny model in fp32)
+    assert {i: t for i, t, *_ in dp["gen"]} == {i: t for i, t, *_ in one["gen"]}
+    s1, s2 = dict(one["score"]), dict(dp["score"])
+    assert all(abs(s1[i][k] - s2[i][k]) < 1e-4 for i in s1 for k in s1[i])   # scores: equal to float precision
