@@ -304,12 +304,13 @@ def plot_content_provenance(cross:pd.DataFrame, # `metrics.cross_breakdown` outp
     cols = [category_names("provenance").get(k, k) for k in _ordered(d.provenance_key, category_names("provenance"))]
     val = d.pivot_table(index="content", columns="provenance", values=metric, aggfunc="first", dropna=False).reindex(index=rows, columns=cols)
     n = d.pivot_table(index="content", columns="provenance", values="n_clean_correct", aggfunc="first").reindex(index=rows, columns=cols)
-    annot = np.vectorize(lambda v, k: "" if pd.isna(k) else ("–" if pd.isna(v) else f"{v:.1f}") + f"\nn={int(k)}")(val.to_numpy(), n.to_numpy())
+    annot = np.vectorize(lambda v, k: "n=0" if pd.isna(k) else ("–" if pd.isna(v) else f"{v:.1f}") + f"\nn={int(k)}")(val.to_numpy(), n.to_numpy())
     fig, ax = plt.subplots(figsize=(6.8, 1.6 + 0.62 * len(rows)), layout="constrained")
     sns.heatmap(val.astype(float), annot=annot, fmt="", cmap="rocket_r", vmin=0, vmax=100, linewidths=1, linecolor="white",
                 annot_kws={"fontsize": 8.5}, cbar_kws={"label": f"{_METRIC_NAMES.get(metric, metric)} (%)"}, ax=ax)
     ax.set(xlabel="provenance framing", ylabel="content corruption")
-    ax.set_title(f"this run ({model_label(model)}): {_METRIC_NAMES.get(metric, metric)}", loc="left")
+    ax.grid(False); ax.set_facecolor("#eeeeee")   # empty cells (no clean-correct item) read as grey, not as 0
+    ax.set_title(f"{_METRIC_NAMES.get(metric, metric)} — this run: {model_label(model)}", loc="left")
     ax.tick_params(axis="y", rotation=0); ax.tick_params(axis="x", rotation=0)
     return fig
 
