@@ -123,9 +123,7 @@ def make_backend(spec:str,            # `hf:PATH_OR_ID`, `openai:NAME`, `anthrop
 import json, math, time
 
 # %% ../nbs/06_backends.ipynb #021721cb
-_CONTEXT_LABELS = ("Context:", "背景信息：")
-_QUESTION_LABELS = ("Question:", "问题：")
-_OPTIONS_LABELS = ("Options:", "选项：")
+from .protocols import CONTEXT_LABELS as _CONTEXT_LABELS, QUESTION_LABELS as _QUESTION_LABELS, OPTIONS_LABELS as _OPTIONS_LABELS
 _OPTION_LINE = re.compile(r"^\s*([A-Za-z]|\d{1,2})\.\s+(.*\S)\s*$")
 
 def parse_prompt(text:str, # the user message of `protocols.render_messages`

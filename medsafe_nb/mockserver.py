@@ -17,8 +17,7 @@ __all__ = ['POLICIES', 'FAULT_KINDS', 'REPLY_STYLES', 'user_text', 'ParsedPrompt
 
 # %% ../nbs/08a_mockserver.ipynb #d9278fd7
 _OPTION_LINE = re.compile(r"^([A-T]|[1-9][0-9]?)\. (.+)$", re.M)
-_CONTEXT_LABELS = ("Context:", "背景信息：")
-_QUESTION_LABELS = ("Question:", "问题：")
+from .protocols import CONTEXT_LABELS as _CONTEXT_LABELS, QUESTION_LABELS as _QUESTION_LABELS
 _CONTEXT_START = re.compile(r"^(?:" + "|".join(map(re.escape, _CONTEXT_LABELS)) + r")[ \t]*$", re.M)
 _QUESTION_START = re.compile(r"^(?:" + "|".join(map(re.escape, _QUESTION_LABELS)) + r")[ \t]*$", re.M)
 

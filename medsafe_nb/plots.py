@@ -137,16 +137,16 @@ def model_label(model:str, # a model spec or name: 'openai:gpt-5.4@high', 'hf:/m
 # %% ../nbs/12_plots.ipynb #a75dc6e9
 def find_reference_dir(path:str|Path|None=None, # explicit folder of the reference CSVs, or a repository root
                       )->Path: # the folder holding the paper's reference CSVs
-    "Locate data/reference: an explicit path, else walk up from the package and the cwd to settings.ini"
+    "Locate data/reference: an explicit path, else the project checkout's (`data.repo_root`)"
     if path is not None:
         p = Path(path)
         for cand in (p, p / "data" / "reference"):
             if all((cand / f).is_file() for f in REFERENCE_FILES.values()): return cand
         raise MetricsError(f"{p}: no paper reference tables ({', '.join(REFERENCE_FILES.values())}) here or in {p / 'data' / 'reference'}")
+    from medsafe_nb.data import repo_root
+    root = repo_root()
+    if root is not None and (root / "data" / "reference").is_dir(): return root / "data" / "reference"
     starts = [Path(medsafe_nb.__file__).resolve().parent, Path.cwd().resolve()]
-    for start in starts:
-        for d in (start, *start.parents):
-            if (d / "settings.ini").is_file() and (d / "data" / "reference").is_dir(): return d / "data" / "reference"
     raise MetricsError(f"no data/reference folder next to a settings.ini above {' or '.join(map(str, starts))}; "
                        "pass the folder explicitly: paper_reference(path)")
 
