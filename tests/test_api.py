@@ -132,7 +132,7 @@ def test_refusal_truncation_and_reasoning(server):
 
 
 def test_api_key_reaches_server_and_nothing_else(server, monkeypatch):
-    key = "sk-medsafe-test-5f4e3d2c1b0a9f8e"
+    key = "sk-" "medsafe-test-5f4e3d2c1b0a9f8e"
     monkeypatch.setenv("MEDSAFE_TEST_KEY", key)
     srv = server(api_key=key)
     b = OpenAIBackend("m", base_url=srv.base_url, api_key_env="MEDSAFE_TEST_KEY", max_retries=0)
@@ -146,7 +146,7 @@ def test_api_key_reaches_server_and_nothing_else(server, monkeypatch):
     # a server error message that quotes the key is scrubbed before it reaches Generation.error
     assert key not in b.describe_error(RuntimeError(f"401 invalid key {key}; headers: Authorization: Bearer {key}"), 3)
     # the wrong key: a 401 for each request, without the key in the error
-    monkeypatch.setenv("MEDSAFE_TEST_KEY", "sk-medsafe-wrong-000000000000")
+    monkeypatch.setenv("MEDSAFE_TEST_KEY", "sk-" "medsafe-wrong-000000000000")
     denied = dict(b.generate([case(0)]))[0]
     assert denied.finish_reason == "error" and "HTTP 401" in denied.error and "sk-medsafe-wrong" not in denied.error
     assert len(srv.completions()) == 4                                  # 401 is not retried
@@ -253,7 +253,7 @@ MSGS = ({"role": "system", "content": "You are a medical expert."}, {"role": "us
 def test_anthropic_sdk_sends_what_we_build(server, monkeypatch):
     "The real anthropic SDK, pointed at the mock server (which has no /v1/messages route): the body it sent, and the error path"
     pytest.importorskip("anthropic")
-    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test-key-0000000000")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-" "ant-test-key-0000000000")
     srv = server()
     b = AnthropicBackend("claude-x", base_url=srv.base_url.removesuffix("/v1"), reasoning_effort="low", max_new_tokens=100, backoff=0.01)
     g = dict(b.generate([GenRequest(MSGS)]))[0]
@@ -286,7 +286,7 @@ def test_gemini_sdk_sends_what_we_build(server, monkeypatch):
 @pytest.mark.parametrize("kind", ["anthropic", "gemini"])
 def test_provider_sdks_retry_connection_errors_and_give_up(server, monkeypatch, kind):
     pytest.importorskip({"anthropic": "anthropic", "gemini": "google.genai"}[kind])
-    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test-key-0000000000")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-" "ant-test-key-0000000000")
     monkeypatch.setenv("GEMINI_API_KEY", "AIza-test-key-00000000000000000")
     srv = server(); url = srv.base_url.removesuffix("/v1"); srv.stop()
     b = make_backend(f"{kind}:model-x", base_url=url, max_retries=2, backoff=0.01)
