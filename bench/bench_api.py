@@ -1,48 +1,100 @@
-"""Throughput of the API backend against a server with a fixed per-request latency.
+"""The OpenAI-compatible client against a minimal asyncio client, at concurrency 1-256.
 
-The reference notebooks sent one request at a time; `OpenAIBackend` keeps `concurrency` requests in flight.
-The server is the mock OpenAI-compatible server in its own process (so it does not share our GIL), answering
-every request after a fixed delay, like a remote model with constant latency. Prints requests/s at each
-concurrency and the speedup over concurrency 1.
+`OpenAIBackend` keeps `concurrency` requests in flight, through the lean httpx client (the default for a `--base-url`
+server) or the official `openai` SDK (`client="sdk"`). The server is the mock OpenAI-compatible server in its own
+process (so it does not share our GIL), answering every request after a fixed delay, like a remote model with
+constant latency. Rounds are interleaved (the order of the three clients rotates each round); the table gives the
+medians of requests/s and client CPU per request, and their ratios to the minimal client (issue 12's targets:
+CPU at most 1.2x, throughput at least 0.9x).
 
-    python bench/bench_api.py [--delay 0.05] [--requests 128] [--concurrency 1,4,16,64]
+    python bench/bench_api.py [--delay 0.05] [--rounds 5] [--concurrency 1,4,16,64,256]
 """
-import argparse, subprocess, sys, time
+import argparse, asyncio, importlib, statistics, subprocess, sys, time
 
-from medsafe_nb.api import OpenAIBackend
+from medsafe_nb.openai_compat import OpenAIBackend
 from medsafe_nb.backends import GenRequest
+
+
+def api_messages(i): return [{"role": "user", "content": f"Case {i}.\nWhich?\nA. yes\nB. no\nC. maybe"}]
+
+
+async def _minimal(url, n, c, lib="httpx"):
+    httpx = importlib.import_module(lib)
+    sem = asyncio.Semaphore(c)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)   # the openai SDK's pool
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        async def one(i):
+            async with sem:
+                r = await client.post(url + "/chat/completions", json={"model": "mock-model", "messages": api_messages(i), "max_tokens": 64})
+                r.raise_for_status()
+                return r.json()["choices"][0]["message"]["content"]
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def minimal_client(url, n, c): return asyncio.run(_minimal(url, n, c))
+def minimal_httpx2(url, n, c): return asyncio.run(_minimal(url, n, c, "httpx2"))
+
+
+def toolkit(client):
+    def run(url, n, c):
+        b = OpenAIBackend("mock-model", base_url=url, concurrency=c, client=client, max_new_tokens=64)
+        out = list(b.generate([GenRequest(tuple(api_messages(i))) for i in range(n)]))
+        bad = sum(g.finish_reason == "error" for _, g in out)
+        if bad: raise RuntimeError(f"toolkit ({client}): {bad} errors")
+        return out
+    return run
+
+
+CLIENTS = {"lean": ("toolkit, lean client (default)", toolkit("lean")), "sdk": ("toolkit, openai SDK", toolkit("sdk")),
+           "minimal": ("minimal asyncio client, httpx", minimal_client),
+           "minimal2": ("minimal asyncio client, httpx2", minimal_httpx2)}
+
+
+def cpu_timed(fn):
+    t0, c0 = time.perf_counter(), time.process_time(); fn(); return time.perf_counter() - t0, time.process_time() - c0
+
+
+def measure(url, levels, rounds):
+    "{(c, client): [(req/s, CPU s/request)]} over interleaved rounds"
+    R = {(c, k): [] for c in levels for k in CLIENTS}
+    for r in range(rounds):
+        for c in levels:
+            n = min(max(64, 4 * c), 1024)
+            keys = list(CLIENTS)[r % len(CLIENTS):] + list(CLIENTS)[:r % len(CLIENTS)]
+            for k in keys:
+                dt, cpu = cpu_timed(lambda: CLIENTS[k][1](url, n, c))
+                R[c, k].append((n / dt, cpu / n))
+        print(f"  round {r + 1}/{rounds} done", flush=True)
+    return R
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--delay", type=float, default=0.05, help="server latency per request, seconds")
-    ap.add_argument("--requests", type=int, default=128, help="requests per concurrency level")
-    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians are reported)")
+    ap.add_argument("--concurrency", default="1,4,16,64,256", help="comma-separated levels")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     server = subprocess.Popen([sys.executable, "-m", "medsafe_nb.mockserver", "--port", "0", "--quiet", "--delay", str(args.delay)],
                               stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().split(" at ")[1].split(" ")[0]
-        reqs = [GenRequest(({"role": "user", "content": f"Case {i}.\nWhich?\nA. yes\nB. no\nC. maybe"},)) for i in range(args.requests)]
-        list(OpenAIBackend("mock-model", base_url=url, concurrency=1).generate(reqs[:2]))          # warm up
-        print(f"API backend throughput: {args.requests} requests per level, server latency {args.delay * 1000:.0f} ms per request")
-        print(f"{'concurrency':>11}  {'seconds':>8}  {'requests/s':>10}  {'speedup vs 1':>12}  {'client CPU ms/request':>21}  {'errors':>6}")
-        base = None
-        for c in levels:
-            backend = OpenAIBackend("mock-model", base_url=url, concurrency=c)
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            out = list(backend.generate(reqs))
-            dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            rps = len(out) / dt
-            base = base or rps
-            errors = sum(g.finish_reason == "error" for _, g in out)
-            print(f"{c:>11}  {dt:>8.2f}  {rps:>10.1f}  {rps / base:>11.1f}x  {cpu / len(out) * 1000:>21.1f}  {errors:>6}")
-        print(f"(ideal at concurrency c: min(c, {args.requests}) x {1 / args.delay:.0f} requests/s; the reference ran at concurrency 1. "
-              "At high concurrency the CPU of this machine (client, server and anything else running) sets the limit: "
-              "compare with the client's own CPU per request.)")
+        for _, fn in CLIENTS.values(): fn(url, 4, 2)                     # warm up: imports, first connections
+        R = measure(url, levels, args.rounds)
     finally:
         server.terminate(); server.wait(10)
+    med = lambda xs: statistics.median(xs)
+    print(f"\nOpenAI-compatible client, server latency {args.delay * 1000:.0f} ms; medians of {args.rounds} interleaved rounds")
+    print(f"| concurrency | client | req/s | CPU ms/req | req/s vs minimal httpx / httpx2 | CPU vs minimal httpx / httpx2 | of ideal |")
+    print(f"| --- | --- | --- | --- | --- | --- | --- |")
+    for c in levels:
+        n = min(max(64, 4 * c), 1024)
+        rps = {k: med([x[0] for x in R[c, k]]) for k in CLIENTS}
+        cpu = {k: med([x[1] for x in R[c, k]]) for k in CLIENTS}
+        ideal = min(c, n) / args.delay
+        for k, (label, _) in CLIENTS.items():
+            print(f"| {c} | {label} | {rps[k]:.0f} | {cpu[k] * 1000:.2f} | {rps[k] / rps['minimal']:.2f}x / {rps[k] / rps['minimal2']:.2f}x | "
+                  f"{cpu[k] / cpu['minimal']:.2f}x / {cpu[k] / cpu['minimal2']:.2f}x | {rps[k] / ideal:.2f} |")
 
 
 if __name__ == "__main__":

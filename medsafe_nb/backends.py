@@ -4,25 +4,31 @@
 
 # %% ../nbs/06_backends.ipynb #bf44ff7e
 from __future__ import annotations
-import importlib, re
+import importlib, inspect, re
 from dataclasses import dataclass, field, asdict
 from typing import Iterator, Callable
-from .schema import ConfigError
-from .protocols import ANSWER_PREFIX
+from .core import ConfigError
+from .protocols import ANSWER_PREFIX, PromptParts
 
 # %% auto #0
-__all__ = ['FINISH_REASONS', 'GenRequest', 'Generation', 'ScoreRequest', 'Scores', 'Backend', 'is_main_process',
-           'register_backend', 'parse_spec', 'make_backend', 'parse_prompt', 'minilm_embed', 'MiniLMBackend']
+__all__ = ['FINISH_REASONS', 'BUILTIN_KINDS', 'GenRequest', 'Generation', 'ScoreRequest', 'Scores', 'Backend', 'is_main_process',
+           'register_backend', 'public_kinds', 'parse_spec', 'backend_factory', 'check_options', 'make_backend',
+           'minilm_embed', 'MiniLMBackend']
 
 # %% ../nbs/06_backends.ipynb #cc4f707e
 FINISH_REASONS = ("stop", "length", "refused", "error")
 
+# %% ../nbs/06_backends.ipynb #7c5a77a8
 @dataclass(frozen=True)
 class GenRequest:
     "Generate a reply to chat messages"
     messages: tuple               # chat messages (`role`, `content`)
     max_new_tokens: int|None=None # output cap for this request (None: the backend's default)
+    response_schema: dict|None=None # JSON schema the reply must follow (structured output, paper protocol); part of the ledger key
+    parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)
+    tools: dict|None=None         # tools offered: {"functions": [{name, description, parameters}], "choice": "auto" | "none"}; part of the ledger key
 
+# %% ../nbs/06_backends.ipynb #92c5c6ae
 @dataclass
 class Generation:
     "A reply and how it ended"
@@ -34,14 +40,18 @@ class Generation:
     error: str|None=None          # error message when finish_reason is `error`
     reasoning: str|None=None      # reasoning text, when the backend returns it separately
     reasoning_tokens: int|None=None # reasoning tokens (part of completion_tokens), when the provider reports them
+    tool_calls: list|None=None    # tool calls the model asked for: [{"id", "name", "arguments": dict}] (the request offered tools)
 
+# %% ../nbs/06_backends.ipynb #f8c44c92
 @dataclass(frozen=True)
 class ScoreRequest:
     "Score option keys as the next token after `prefix` in the assistant turn"
     messages: tuple               # chat messages
     candidates: tuple             # option keys to score
     prefix: str = ANSWER_PREFIX   # assistant text before the key
+    parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)
 
+# %% ../nbs/06_backends.ipynb #46917c8b
 @dataclass
 class Scores:
     "Log-probabilities of the candidate keys"
@@ -83,18 +93,23 @@ def is_main_process()->bool:
     return int(os.environ.get("RANK", "0") or 0) == 0
 
 # %% ../nbs/06_backends.ipynb #5e6a5f37
-_REGISTRY: dict[str, Callable|str] = {
-    "hf": "medsafe_nb.hf:HFBackend",
-    "openai": "medsafe_nb.api:OpenAIBackend",
-    "anthropic": "medsafe_nb.api:AnthropicBackend",
-    "gemini": "medsafe_nb.api:GeminiBackend",
-    "scripted": "medsafe_nb.construct:ScriptedBackend",   # replays recorded replies (tests, audits)
+_REGISTRY: dict[str, Callable] = {}
+BUILTIN_KINDS = {   # kind -> module that defines and registers it (imported on first use)
+    "minilm": "medsafe_nb.backends", "hf": "medsafe_nb.hf",
+    "openai": "medsafe_nb.openai_compat", "anthropic": "medsafe_nb.providers", "gemini": "medsafe_nb.providers",
+    "shortcut": "medsafe_nb.shortcuts", "tiny": "medsafe_nb.testing", "scripted": "medsafe_nb.testing",
 }
 
-def register_backend(kind:str, factory:Callable|str):
-    "Register `factory(name, **options) -> Backend` (or an `module:attr` path to it) for specs `kind:name`"
+# %% ../nbs/06_backends.ipynb #c4c72778
+def register_backend(kind:str, factory:Callable):
+    "Register `factory(name, **options) -> Backend` for specs `kind:name`"
     if not re.fullmatch(r"[a-z][a-z0-9_-]*", kind): raise ConfigError(f"backend kind {kind!r} must be lower-case letters, digits, - or _")
     _REGISTRY[kind] = factory
+
+# %% ../nbs/06_backends.ipynb #88098f36
+def public_kinds()->list[str]:
+    "The model-spec kinds a user can name (test doubles left out)"
+    return sorted(k for k in {*BUILTIN_KINDS, *_REGISTRY} if k != "scripted")
 
 def parse_spec(spec:str)->tuple[str, str]:
     "Split a model spec into `(kind, name)`; a bare word is a kind with no name (`minilm`)"
@@ -102,47 +117,40 @@ def parse_spec(spec:str)->tuple[str, str]:
     if not spec: raise ConfigError("empty model spec; use e.g. hf:Qwen/Qwen3-8B, openai:gpt-4o-mini, minilm")
     kind, sep, name = spec.partition(":")
     kind = kind.lower()
-    if kind not in _REGISTRY:
-        raise ConfigError(f"unknown model spec {spec!r}: kind {kind!r} is not one of {', '.join(sorted(_REGISTRY))}")
+    if kind not in _REGISTRY and kind not in BUILTIN_KINDS:
+        raise ConfigError(f"unknown model spec {spec!r}: kind {kind!r} is not one of {', '.join(public_kinds())}")
     return kind, name.strip()
 
+# %% ../nbs/06_backends.ipynb #94eb24d9
+def backend_factory(kind:str)->Callable:
+    "The registered factory of `kind`, importing the module that defines it on first use"
+    if kind not in _REGISTRY and kind in BUILTIN_KINDS: importlib.import_module(BUILTIN_KINDS[kind])
+    if kind not in _REGISTRY: raise ConfigError(f"model kind {kind!r} is not registered")
+    return _REGISTRY[kind]
+
+# %% ../nbs/06_backends.ipynb #f68009e3
+def check_options(kind:str, factory:Callable, options:dict):
+    "Raise `ConfigError` when `options` holds one the backend does not take, naming those it does"
+    params = inspect.signature(factory).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()): return
+    known = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in ("self", "name")]
+    bad = [k for k in options if k not in known]
+    if bad: raise ConfigError(f"{kind} models do not use {', '.join(map(repr, bad))}; options they take: {', '.join(known) or 'none'}")
+
+# %% ../nbs/06_backends.ipynb #b74a557c
 def make_backend(spec:str,            # `hf:PATH_OR_ID`, `openai:NAME`, `anthropic:NAME`, `gemini:NAME`, `minilm`, …
                  base_url:str|None=None, # OpenAI-compatible server URL (vLLM, SGLang, …)
                  **options,           # backend options: max_new_tokens, reasoning_effort, batch_size, concurrency, …
                 )->Backend:
-    "Create the backend a spec names"
+    "Create the backend a spec names; an option it does not use is an error, not silently ignored"
     kind, name = parse_spec(spec)
-    factory = _REGISTRY[kind]
-    if isinstance(factory, str):
-        mod, _, attr = factory.partition(":")
-        factory = getattr(importlib.import_module(mod), attr)
+    factory = backend_factory(kind)
     if base_url is not None: options["base_url"] = base_url
+    check_options(kind, factory, options)
     return factory(name, **options)
 
 # %% ../nbs/06_backends.ipynb #b08493b4
 import json, math, time
-
-# %% ../nbs/06_backends.ipynb #021721cb
-from .protocols import CONTEXT_LABELS as _CONTEXT_LABELS, QUESTION_LABELS as _QUESTION_LABELS, OPTIONS_LABELS as _OPTIONS_LABELS
-_OPTION_LINE = re.compile(r"^\s*([A-Za-z]|\d{1,2})\.\s+(.*\S)\s*$")
-
-def parse_prompt(text:str, # the user message of `protocols.render_messages`
-                )->tuple[str, str, dict]: # (context, question, options key -> text)
-    "Split a rendered MCQ prompt into its context block, question and options"
-    section, parts, options = None, {"context": [], "question": []}, {}
-    for line in text.splitlines():
-        s = line.strip()
-        if s in _CONTEXT_LABELS: section = "context"; continue
-        if s in _QUESTION_LABELS: section = "question"; continue
-        if s in _OPTIONS_LABELS: section = "options"; continue
-        if section == "options":
-            m = _OPTION_LINE.match(line)
-            if m: options[m.group(1)] = m.group(2)
-            elif not s and options: section = None          # the blank line before the instruction
-        elif section:
-            parts[section].append(s[2:] if section == "context" and s.startswith("- ") else s)
-    join = lambda ls: "\n".join(ls).strip()
-    return join(parts["context"]), join(parts["question"]), options
 
 # %% ../nbs/06_backends.ipynb #74072fe7
 _MINILM: dict = {}
@@ -194,8 +202,6 @@ class MiniLMBackend(Backend):
                  batch_size:int=64,      # texts per encoder call
                  chunk:int=64,           # requests per yielded chunk
                  device:str="cpu",       # torch device (CPU keeps it bit-for-bit deterministic)
-                 concurrency:int|None=None, # accepted for a uniform CLI (`medsafe run` options); no effect here
-                 max_new_tokens:int|None=None, thinking:bool|None=None, reasoning_effort:str|None=None, # likewise
                 ):
         if name: raise ConfigError(f"minilm takes no model name (got {name!r}): the spec is just `minilm`")
         if not tau > 0: raise ConfigError(f"minilm: tau must be positive, got {tau}")
@@ -210,14 +216,17 @@ class MiniLMBackend(Backend):
     def _similarities(self, requests:list)->list[tuple[dict|None, str|None]]:
         "Per request: (key -> cosine similarity to the query, error)"
         import torch
-        parsed = [parse_prompt(next((m["content"] for m in reversed(r.messages) if m["role"] == "user"), "")) for r in requests]
+        parsed = [(None if r.parts is None else ("\n".join(s for _, s in r.parts.contexts), r.parts.question, dict(r.parts.options)))
+                  for r in requests]
         texts = []
-        for ctx, q, opts in parsed: texts += ["\n".join(x for x in (ctx, q) if x)] + list(opts.values())
+        for p in parsed:
+            if p: texts += ["\n".join(x for x in p[:2] if x)] + list(p[2].values())
         at = {t: j for j, t in enumerate(dict.fromkeys(texts))}   # options repeat across conditions: embed each text once
         emb = minilm_embed(list(at), self.batch_size, self.device)[[at[t] for t in texts]] if texts else None
         out, j = [], 0
-        for ctx, q, opts in parsed:
-            if not opts: out.append((None, "minilm: no options found in the prompt (expected 'Options:' then 'K. text' lines)")); j += 1; continue
+        for p in parsed:
+            if not p: out.append((None, "minilm: the request carries no question structure (`parts`); build requests with protocols.build_prompts")); continue
+            opts = p[2]
             sims = (emb[j+1:j+1+len(opts)] @ emb[j]).tolist()
             out.append((dict(zip(opts, sims)), None)); j += 1 + len(opts)
         return out
@@ -236,8 +245,7 @@ class MiniLMBackend(Backend):
         def answer(r, sims, err, dt):
             if err: return Generation("", "error", error=err, latency_s=dt)
             key = max(sims, key=sims.get)                      # ties: the first option
-            multi = '"answer": [' in r.messages[-1]["content"]
-            return Generation(json.dumps({"answer": [key] if multi else key}), "stop", latency_s=dt)
+            return Generation(json.dumps({"answer": [key] if r.parts.multi else key}), "stop", latency_s=dt)
         yield from self._chunks(requests, answer)
 
     def score(self, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:

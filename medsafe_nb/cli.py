@@ -4,16 +4,22 @@
 
 # %% ../nbs/14_cli.ipynb #a33ced1c
 from __future__ import annotations
-import sys
+import inspect, sys
+from dataclasses import fields
+from pathlib import Path
 from typing import List, Optional
 import typer
-from .schema import MedsafeError
+from .core import MedsafeError
+from .config import RunConfig
 
 # %% auto #0
-__all__ = ['app', 'validate', 'run_cmd', 'metrics', 'build', 'main']
+__all__ = ['app', 'COMPACT', 'review_app', 'export_app', 'compact_table1', 'validate', 'run_options', 'run_cmd', 'run_summary',
+           'metrics', 'build', 'audit', 'figures', 'review_export', 'review_import', 'review_report_cmd',
+           'review_judge', 'show', 'report_cmd', 'export_lm_eval_cmd', 'main']
 
 # %% ../nbs/14_cli.ipynb #3b0646a4
 app = typer.Typer(name="medsafe", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,   # plain click help: wraps to the terminal (80 columns) instead of truncating cells
                   help="MedMisBench in a notebook-first toolkit: validate data, run models, compute metrics, build benchmarks.")
 
 def _version(show:bool):
@@ -27,6 +33,25 @@ def _root(version:bool=typer.Option(False, "--version", callback=_version, is_ea
 def _fail(e:Exception, code:int=2):
     typer.echo(f"medsafe: {e}", err=True); raise typer.Exit(code)
 
+# %% ../nbs/14_cli.ipynb #af5977c1
+COMPACT = {"clean_acc": "clean", "type1_asr": "T1 ASR", "type1_tasr": "T1 TASR", "type2_asr": "T2 ASR"}
+
+def compact_table1(t1,          # a Table 1 (`metrics.table1`): values with *_lo/*_hi intervals
+                   width:int=80, # characters per line
+                  )->str:       # model, n, then each value as `v [lo, hi]`, one model per line
+    "Table 1 in a terminal: accuracy clean, Type 1 ASR and TASR, Type 2 ASR, each with its 95% interval"
+    def cell(row, c):
+        v, lo, hi = row.get(c), row.get(f"{c}_lo"), row.get(f"{c}_hi")
+        if v is None or v != v: return "-"
+        return f"{v:.1f}" if lo is None or lo != lo else f"{v:.1f} [{lo:.0f},{hi:.0f}]"
+    rows = [[str(r["model"]), str(int(r["n_items"]))] + [cell(r, c) for c in COMPACT] for _, r in t1.iterrows()]
+    head = ["model", "n"] + list(COMPACT.values())
+    room = width - sum(max(len(x[i]) for x in rows + [head]) + 2 for i in range(1, len(head)))
+    rows = [[x[0] if len(x[0]) <= room else x[0][:max(room, 8) - 1] + "…"] + x[1:] for x in rows]
+    w = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
+    fmt = lambda x: "  ".join(s.ljust(w[0]) if i == 0 else s.rjust(w[i]) for i, s in enumerate(x)).rstrip()
+    return "\n".join([fmt(head)] + [fmt(x) for x in rows])
+
 # %% ../nbs/14_cli.ipynb #81bd221a
 @app.command()
 def validate(path:str=typer.Argument(..., help="release file or folder (.jsonl/.json/.csv/.parquet), or 'sample'")):
@@ -37,55 +62,82 @@ def validate(path:str=typer.Argument(..., help="release file or folder (.jsonl/.
     if not ok: raise typer.Exit(1)
 
 # %% ../nbs/14_cli.ipynb #106c8afd
-@app.command("run")
-def run_cmd(
-    model:str=typer.Option(..., "--model", "-m", help="hf:PATH_OR_ID | openai:NAME | anthropic:NAME | gemini:NAME | minilm"),
-    out:str=typer.Option(..., "--out", "-o", help="run folder: predictions.parquet, run.json, ledger.sqlite"),
-    data:str=typer.Option("sample", help="sample | hf | PATH to a release file or folder"),
-    base_url:Optional[str]=typer.Option(None, "--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (vLLM, SGLang)"),
-    conditions:str=typer.Option("clean,type1,type2", help="comma-separated: clean,type1,type2,type1_all,type2_shuffled"),
-    scoring:str=typer.Option("generate", help="generate (free reply) | logprob (option-key probabilities)"),
-    limit:Optional[int]=typer.Option(None, help="first N items, in file order"),
-    seed:int=typer.Option(0, help="Type 1 target seed"),
-    concurrency:Optional[int]=typer.Option(None, help="parallel requests for API backends"),
-    mitigation:str=typer.Option("none", help="none | warning (system prompt: context may be false)"),
-    config:str=typer.Option("all", help="release config(s): all or MEDMISQA,MEDMISMCQA,…"),
-    only_clean_correct:bool=typer.Option(False, "--only-clean-correct", help="attack only items answered right in clean (recorded in run.json)"),
-    max_new_tokens:Optional[int]=typer.Option(None, help="output cap per request"),
-    batch_size:Optional[int]=typer.Option(None, help="batch size for hf backends"),
-    reasoning_effort:Optional[str]=typer.Option(None, help="none | minimal | low | medium | high (provider backends)"),
-    thinking:Optional[bool]=typer.Option(None, "--thinking/--no-thinking", help="chat-template thinking switch (hf backends)"),
-    ledger:Optional[str]=typer.Option(None, help="response ledger (default OUT/ledger.sqlite); share one across runs to reuse answers"),
-    revision:Optional[str]=typer.Option(None, help="Hub revision of the data"),
-    label:Optional[str]=typer.Option(None, help="name in the model column, e.g. 'GPT-5.4 (medium)'"),
-    progress:bool=typer.Option(True, "--progress/--no-progress", help="tqdm progress bars"),
-):
-    "Run a model on MedMisBench; writes OUT/predictions.parquet and OUT/run.json (resumable: rerun to continue)"
-    from medsafe_nb.run import run
+_ANNOTATIONS = {"str": str, "str|None": Optional[str], "int": int, "int|None": Optional[int], "float": float,
+                "float|None": Optional[float], "bool": bool, "bool|None": Optional[bool], "tuple": str, "dict": Optional[str]}
+_SHORT = {"model": "-m", "out": "-o"}
+_REQUIRED = ("model", "out")
+
+def run_options()->list[inspect.Parameter]:
+    "The options of `medsafe run`: one per `RunConfig` field, with the field's help line (documented once, in `config`)"
+    params = []
+    for f in fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if f.name == "conditions": default = ",".join(default)
+        if f.name == "model_args": default = None
+        if f.name in _REQUIRED: default = ...
+        ann = _ANNOTATIONS[str(f.type).replace(" ", "")]
+        decls = [f"{flag}/--no-{f.name.replace('_', '-')}" if "bool" in str(f.type) else flag] + ([_SHORT[f.name]] if f.name in _SHORT else [])
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
+                                        default=typer.Option(default, *decls, help=f.metadata["help"])))
+    params.append(inspect.Parameter("revision", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+                                    default=typer.Option(None, "--revision", hidden=True, help="deprecated: --data-revision")))
+    return params
+
+def run_cmd(**options):
+    """Run a model on MedMisBench; writes OUT/predictions.parquet, OUT/run.json and OUT/manifest.json (resumable: rerun to continue).
+
+    Exit codes: 0 all rows answered; 1 everything written, but rows ended in error or the non-ok share exceeds
+    --max-error-rate; 2 bad input or configuration; 3 no server at --base-url, or the server stopped answering."""
+    from medsafe_nb.run import run, run_outcome, ServerUnavailable, EXIT_UNAVAILABLE
+    revision = options.pop("revision", None)
+    if revision is not None:
+        typer.echo("medsafe run: --revision is deprecated (it named the data's revision); use --data-revision", err=True)
+        options["data_revision"] = options.get("data_revision") or revision
     try:
-        df = run(data=data, model=model, out=out, conditions=conditions, base_url=base_url, scoring=scoring, limit=limit, seed=seed,
-                 concurrency=concurrency, mitigation=mitigation, config=config, only_clean_correct=only_clean_correct,
-                 max_new_tokens=max_new_tokens, batch_size=batch_size, reasoning_effort=reasoning_effort, thinking=thinking,
-                 ledger=ledger, revision=revision, label=label, progress=progress)
+        cfg = RunConfig(**options)
+        df = run(cfg)
+    except ServerUnavailable as e: _fail(e, EXIT_UNAVAILABLE)
     except MedsafeError as e: _fail(e)
-    summary = df.groupby("condition", sort=False).agg(n=("correct", "size"), accuracy=("correct", "mean"),
-                                                      invalid=("status", lambda s: (s != "ok").mean()))
-    typer.echo(f"{df['model'].iloc[0] if len(df) else model}: {df['item_id'].nunique()} items -> {out}/predictions.parquet")
-    typer.echo((summary.assign(accuracy=lambda t: (100 * t.accuracy).round(1), invalid=lambda t: (100 * t.invalid).round(1))).to_string())
+    from medsafe_nb.backends import is_main_process
+    if is_main_process(): typer.echo(run_summary(df, cfg))              # data-parallel ranks print nothing twice
+    code, why = run_outcome(df, cfg.max_error_rate)
+    if code: typer.echo(f"medsafe run: {why}", err=True); raise typer.Exit(code)
+
+def run_summary(df, cfg:RunConfig)->str:
+    "What `medsafe run` prints at the end: where the table went, status counts, and the run's Table 1 row with intervals"
+    from medsafe_nb.paper_tables import table1
+    lines = [f"{df['model'].iloc[0] if len(df) else cfg.model}: {df['item_id'].nunique()} items, {len(df)} rows -> {cfg.out}/predictions.parquet",
+             "statuses: " + ", ".join(f"{s} {n}" for s, n in df["status"].value_counts().items())]
+    from medsafe_nb.run import first_errors
+    lines += [f"  error: {m}" for m in first_errors(df)]
+    scope = "clean-correct only" if cfg.only_clean_correct else "all items"      # as `metrics.read_predictions` reads it from run.json
+    try: lines.append(compact_table1(table1(df.assign(scope=scope), n_boot=1000, seed=cfg.seed)))
+    except MedsafeError as e: lines.append(f"(no Table 1 row: {e})")
+    return "\n".join(lines)
+
+run_cmd.__signature__ = inspect.Signature(run_options())
+app.command("run")(run_cmd)
 
 # %% ../nbs/14_cli.ipynb #cdcaf48e
 @app.command()
 def metrics(run_dirs:List[str]=typer.Argument(..., help="one or more run folders holding predictions.parquet"),
-            out:str=typer.Option(..., "--out", "-o", help="folder for table1.csv, breakdowns.csv, mcnemar.csv"),
+            out:str=typer.Option(..., "--out", "-o", help="folder for table1, breakdowns, mcnemar (.csv .md .tex)"),
             n_boot:int=typer.Option(1000, help="bootstrap resamples for the 95% intervals"),
-            seed:int=typer.Option(0, help="bootstrap seed")):
+            seed:int=typer.Option(0, help="bootstrap seed"),
+            mean_over:str=typer.Option("all", help="Mean row over models: all (same items required) | shared (shared items, labelled)"),
+            allow_errors:bool=typer.Option(False, "--allow-errors", help="count rows that ended in error as wrong answers (default: refuse such runs)")):
     "Table 1 (accuracy, ASR, TASR with 95% CIs), breakdowns and McNemar tests from run folders"
-    from medsafe_nb.metrics import metrics_command
-    try: tables = metrics_command(run_dirs, out, n_boot=n_boot, seed=seed)
-    except MedsafeError as e: _fail(e)
-    t1 = tables["table1"] if isinstance(tables, dict) else tables[0]
-    typer.echo(t1.to_string(index=False))
-    typer.echo(f"wrote {out}/table1.csv, {out}/breakdowns.csv, {out}/mcnemar.csv")
+    from medsafe_nb.metrics_io import write_metrics
+    import warnings
+    from medsafe_nb.metrics import MetricsWarning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MetricsWarning)
+        try: tables, files = write_metrics(run_dirs, out, n_boot=n_boot, seed=seed, mean_over=mean_over, allow_errors=allow_errors)
+        except MedsafeError as e: _fail(e)
+    for w in caught: typer.echo(f"medsafe metrics: warning: {w.message}", err=True)
+    typer.echo(compact_table1(tables["table1"]))
+    typer.echo(f"wrote {len(files)} files to {out}: " + ", ".join(Path(f).name for f in files))
 
 # %% ../nbs/14_cli.ipynb #9029171c
 @app.command()
@@ -100,13 +152,137 @@ def build(source:str=typer.Option(..., help="KIND:PATH of a question pool (kinds
           retries:int=typer.Option(2, help="extra attempts after an unusable reply"),
           wave_size:int=typer.Option(32, help="kept items generated per wave (1: framings balanced to within one item)"),
           max_new_tokens:Optional[int]=typer.Option(None, help="output cap of every request (default: per stage)"),
-          progress:bool=typer.Option(True, "--progress/--no-progress", help="tqdm progress bars")):
+          progress:bool=typer.Option(True, "--progress/--no-progress", help="tqdm progress bars"),
+          assign:str=typer.Option("balanced", "--assign", help="composition policy: balanced (least-used content and framing) or natural (the gate's most applicable content; framings drawn to target shares)"),
+          provenance_targets:Optional[str]=typer.Option(None, "--provenance-targets", help="with --assign natural: Neutral,Patient,Authority shares (default: the paper's 31.4,32.4,36.3)")):
     "Build a misleading-context benchmark from raw question pools (gate → generation → validation → export); resumable"
-    from medsafe_nb.construct import build_command
+    from medsafe_nb.build import build_command
     try: rec = build_command(source=source, generator=generator, out=out, limit=limit, seed=seed, base_url=base_url, verifier=verifier,
-                             verifier_base_url=verifier_base_url, retries=retries, wave_size=wave_size, max_new_tokens=max_new_tokens, progress=progress)
+                             verifier_base_url=verifier_base_url, retries=retries, wave_size=wave_size, max_new_tokens=max_new_tokens, progress=progress,
+                             assign=assign, provenance_targets=provenance_targets)
     except MedsafeError as e: _fail(e)
     typer.echo(f"wrote {out}/benchmark.jsonl, {out}/composition.md, {out}/decisions.jsonl, {out}/build.json")
+
+# %% ../nbs/14_cli.ipynb #b1db7de1
+@app.command()
+def audit(data:str=typer.Argument("sample", help="release file or folder, 'sample' or 'hf'"),
+          out:Optional[str]=typer.Option(None, "--out", "-o", help="folder for audit_{shortcuts,length_rank,markers}.{csv,md,tex}"),
+          margin:float=typer.Option(10.0, help="flag a shortcut that beats chance by more than this many points"),
+          strict:bool=typer.Option(True, "--strict/--no-strict", help="exit 1 when a shortcut is flagged")):
+    "Artefact audit: can a model answer Type 2 from sentence length, authority or overlap cues alone?"
+    from medsafe_nb.audit import audit as audit_items, audit_report
+    from medsafe_nb.data import load_medmisbench
+    try:
+        items = load_medmisbench("all", data)
+        typer.echo(audit_report(items, out=out, margin=margin))
+        flagged = len(audit_items(items, margin)["flags"])
+    except MedsafeError as e: _fail(e)
+    if out: typer.echo(f"wrote {out}/audit_shortcuts, audit_length_rank, audit_markers (.csv .md .tex)")
+    if flagged and strict: raise typer.Exit(1)
+
+# %% ../nbs/14_cli.ipynb #0fad2723
+@app.command()
+def figures(params:str=typer.Option(..., "--params", "-p", help="params file (nbs/analysis/params/*.yaml) or demo | smoke | paper"),
+            only:Optional[str]=typer.Option(None, help="notebooks to run, e.g. 02,04 (default: all, in order)"),
+            kernel:str=typer.Option("python3", help="Jupyter kernel")):
+    "Run the analysis notebooks (nbs/analysis) with papermill and write every table and figure (`make figures`)"
+    from medsafe_nb.figures import execute_analysis
+    try: execute_analysis(params, [n.strip() for n in only.split(",") if n.strip()] if only else None, kernel=kernel)
+    except MedsafeError as e: _fail(e, 1)
+
+# %% ../nbs/14_cli.ipynb #649f17c4
+review_app = typer.Typer(no_args_is_help=True, help="Clinician review: blinded offline packets, ratings, agreement, the paper's harm table.")
+app.add_typer(review_app, name="review")
+
+@review_app.command("export")
+def review_export(run_dirs:List[str]=typer.Argument(..., help="run folders (medsafe run --out)"),
+                  kind:str=typer.Option(..., "--kind", help="quality (items) | harm (flipped outputs)"),
+                  n:int=typer.Option(..., "--n", help="cases to sample (stratified, deterministic)"),
+                  raters:str=typer.Option(..., "--raters", help="rater names, e.g. A,B,C"),
+                  out:str=typer.Option(..., "--out", "-o", help="packet folder: <rater>.html, <rater>.csv, manifest.json"),
+                  overlap:int=typer.Option(0, "--overlap", help="cases every rater gets, for agreement"),
+                  seed:int=typer.Option(0, "--seed", help="sampling, code and order seed")):
+    "Write a blinded review packet: one self-contained HTML file and one CSV form per rater, and the manifest"
+    from medsafe_nb.packet import export_packet
+    try: man = export_packet(run_dirs, kind, n, raters, out, overlap=overlap, seed=seed)
+    except MedsafeError as e: _fail(e)
+    typer.echo(f"packet {man['packet']}: {len(man['cases'])} {kind} cases; " + ", ".join(f"{r}: {len(c)}" for r, c in man["assignment"].items()))
+    typer.echo(f"send {out}/<rater>.html (or .csv) to each rater; keep {out}/manifest.json")
+
+@review_app.command("import")
+def review_import(files:List[str]=typer.Argument(..., help="rating files: JSON exports or CSV forms"),
+                  packet:str=typer.Option(..., "--packet", help="the packet folder")):
+    "Validate rating files, keep them unchanged in PACKET/received, and merge them into PACKET/ratings.csv"
+    from medsafe_nb.ratings import import_ratings
+    try: table = import_ratings(files, packet)
+    except MedsafeError as e: _fail(e)
+    typer.echo(f"{len(table)} ratings from {table.rater.nunique()} rater(s) -> {packet}/ratings.csv")
+
+@review_app.command("report")
+def review_report_cmd(packet:str=typer.Option(..., "--packet", help="the packet folder"),
+                      out:str=typer.Option(..., "--out", "-o", help="folder for the tables (.csv .md .tex)"),
+                      n_boot:int=typer.Option(1000, "--n-boot", help="bootstrap resamples for the 95% intervals"),
+                      seed:int=typer.Option(0, "--seed", help="bootstrap seed")):
+    "Quality composite, harm tiers, κ, α and the adjudication list, beside the paper's numbers"
+    from medsafe_nb.agreement import review_report
+    try: tables = review_report(packet, out, n_boot=n_boot, seed=seed)
+    except MedsafeError as e: _fail(e)
+    typer.echo(f"wrote {', '.join(sorted(tables))} to {out}")
+
+@review_app.command("judge")
+def review_judge(packet:str=typer.Argument(..., help="the packet folder"),
+                 model:str=typer.Option(..., "--model", "-m", help="model spec of the judge (any backend)"),
+                 base_url:Optional[str]=typer.Option(None, "--base-url", help="OpenAI-compatible server for the judge"),
+                 ledger:Optional[str]=typer.Option(None, help="response ledger (default PACKET/judge/ledger.sqlite)"),
+                 max_new_tokens:int=typer.Option(512, help="output cap per case")):
+    "Let a model fill the form as a triage aid (written to PACKET/judge/, never mixed into clinician numbers)"
+    from medsafe_nb.judge import judge_packet
+    try: path = judge_packet(packet, model, ledger=ledger, base_url=base_url, max_new_tokens=max_new_tokens)
+    except MedsafeError as e: _fail(e)
+    typer.echo(f"LLM judge ratings (triage aid, not clinician ratings) -> {path}")
+
+# %% ../nbs/14_cli.ipynb #a82b3484
+@app.command("show")
+def show(run_dir:str=typer.Argument(..., help="a run folder (medsafe run --out)"),
+         status:Optional[str]=typer.Option(None, "--status", help="only rows with this status: ok | noanswer | truncated | refused | error"),
+         condition:Optional[str]=typer.Option(None, "--condition", help="only rows of this condition: clean | type1 | type2 | …"),
+         flipped:bool=typer.Option(False, "--flipped", help="only rows the attack flipped (right in clean, not right here)"),
+         item:Optional[str]=typer.Option(None, "--item", help="only this item id"),
+         limit:int=typer.Option(20, "--limit", help="at most this many rows (0: all)")):
+    "Print rows of a run: prompt, reply, extracted answer (and how it was read), gold and target"
+    from medsafe_nb.report import show_rows
+    try: blocks = show_rows(run_dir, status=status, condition=condition, flipped=flipped, item=item, limit=limit or None)
+    except MedsafeError as e: _fail(e)
+    typer.echo("\n\n".join(blocks) if blocks else "no rows match")
+
+@app.command("report")
+def report_cmd(run_dirs:List[str]=typer.Argument(..., help="one or more run folders"),
+               out:str=typer.Option(..., "--out", "-o", help="the HTML file to write (self-contained, opens offline)"),
+               n_boot:int=typer.Option(1000, help="bootstrap resamples for the 95% intervals"),
+               seed:int=typer.Option(0, help="bootstrap seed"),
+               prompts:bool=typer.Option(True, "--prompts/--no-prompts", help="embed each row's prompt (larger file)"),
+               figures:bool=typer.Option(True, "--figures/--no-figures", help="draw the figures (slow with many models)")):
+    "Write one offline HTML report: Table 1 beside the paper, breakdowns, figures and a filterable row browser"
+    from medsafe_nb.report import write_report
+    try: path = write_report(run_dirs, out, n_boot=n_boot, seed=seed, prompts=prompts, figures=figures)
+    except MedsafeError as e: _fail(e)
+    typer.echo(f"wrote {path} ({path.stat().st_size // 1024} KiB); open it in a browser, no server needed")
+
+export_app = typer.Typer(no_args_is_help=True, help="Export the benchmark to other evaluation harnesses.")
+app.add_typer(export_app, name="export")
+
+@export_app.command("lm-eval")
+def export_lm_eval_cmd(out:str=typer.Option(..., "--out", "-o", help="folder for the task YAMLs, utils.py and the data"),
+                       data:str=typer.Option("sample", help="sample | hf | PATH to a release file or folder"),
+                       config:str=typer.Option("all", help="release config(s): all or MEDMISQA,MEDMISMCQA,…"),
+                       seed:int=typer.Option(0, help="Type 1 target seed"),
+                       mitigation:str=typer.Option("none", help="none | warning"),
+                       limit:Optional[int]=typer.Option(None, help="first N items")):
+    "Write lm-evaluation-harness tasks medmisbench_{clean,type1,type2} (and the group medmisbench) into OUT"
+    from medsafe_nb.harness import export_lm_eval
+    try: files = export_lm_eval(out, data=data, config=config, seed=seed, mitigation=mitigation, limit=limit)
+    except MedsafeError as e: _fail(e)
+    typer.echo(f"wrote {len(files)} files to {out}; run: lm_eval --include_path {out} --tasks medmisbench_type1 --model …")
 
 # %% ../nbs/14_cli.ipynb #8cb60c1e
 def main():

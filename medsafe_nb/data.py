@@ -6,26 +6,21 @@
 from __future__ import annotations
 import hashlib, json, os
 from pathlib import Path
-from .schema import (Item, MedsafeError, ConfigError, SchemaError, ValidationErrors, SPLITS,
-                               parse_records, iter_records, item_from_record, item_to_record)
+from .core import MedsafeError, ConfigError, SchemaError, ValidationErrors, SPLITS, repo_root
+from .schema import Item, parse_records, iter_records, item_from_record, item_to_record
 from .taxonomy import CONTENT, PROVENANCE
 
 # %% auto #0
-__all__ = ['HUB_IDS', 'CONFIGS', 'repo_root', 'sample_path', 'load_medmisbench', 'fingerprint', 'composition', 'cell_table',
-           'validate_report']
+__all__ = ['HUB_IDS', 'CONFIGS', 'sample_path', 'hub_offline_reason', 'load_medmisbench', 'fingerprint', 'composition',
+           'cell_table', 'validate_report']
 
 # %% ../nbs/03_data.ipynb #4b92a13b
 HUB_IDS = ("HongjianZhou/MedMisBench", "AI4HealthResearch/MedMisBench")  # current id first, then the older one
+
+# %% ../nbs/03_data.ipynb #67831a1d
 CONFIGS = SPLITS
 
-def repo_root()->Path|None:
-    "The project checkout this package runs from (the folder holding settings.ini), if any"
-    import medsafe_nb
-    for start in (Path(medsafe_nb.__file__).resolve().parent, Path.cwd().resolve()):
-        for d in [start, *start.parents]:
-            if (d/"settings.ini").exists() and (d/"medsafe_nb").is_dir(): return d
-    return None
-
+# %% ../nbs/03_data.ipynb #c413a43d
 def sample_path()->Path:
     "The embedded sample (`data/sample/medmisbench_sample.jsonl`), or `$MEDSAFE_SAMPLE`"
     env = os.environ.get("MEDSAFE_SAMPLE")
@@ -42,7 +37,10 @@ def _configs(config:str)->tuple:
     if bad: raise ConfigError(f"unknown config {', '.join(bad)}; known: all, {', '.join(CONFIGS)}")
     return cs
 
+# %% ../nbs/03_data.ipynb #1bf805f2
 def _local_files(path:Path)->list[Path]:
+    if path.is_symlink() and not path.exists(): return [path]       # iter_records says: a symlink loop, or a broken link
+    if path.exists() and not path.is_dir() and not path.is_file(): raise MedsafeError(f"{path}: not a regular file")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet", ".csv") and not p.name.startswith("."))
         if not files: raise MedsafeError(f"{path}: no .jsonl/.json/.parquet/.csv files in this folder")
@@ -50,25 +48,64 @@ def _local_files(path:Path)->list[Path]:
     if not path.exists(): raise MedsafeError(f"{path}: no such file or folder (data source must be 'sample', 'hf' or a path)")
     return [path]
 
+# %% ../nbs/03_data.ipynb #47007e30
+def _truthy(v)->bool: return str(v or "").strip().lower() in ("1", "true", "yes", "on")
+
+def hub_offline_reason(timeout:float=3.0, # seconds to wait for a TCP connection to the Hub
+                      )->str|None:        # why the Hub cannot be used now, or None when it answers
+    "Offline mode switched on, or the Hub endpoint (`$HF_ENDPOINT`, default huggingface.co) not answering"
+    import socket
+    from urllib.parse import urlsplit
+    on = [k for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if _truthy(os.environ.get(k))]
+    if on: return f"offline mode is on ({on[0]}={os.environ[on[0]]})"
+    u = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = u.hostname or "huggingface.co", u.port or (443 if u.scheme == "https" else 80)
+    try: socket.create_connection((host, port), timeout=timeout).close(); return None
+    except OSError as e: return f"the Hub ({host}:{port}) cannot be reached: {e.strerror or type(e).__name__}"
+
+# %% ../nbs/03_data.ipynb #9e4c2566
+def _cache_only():
+    "A context in which `datasets` and `huggingface_hub` read only their cache (no request, no retry)"
+    import contextlib
+    from unittest import mock
+    stack = contextlib.ExitStack()
+    for mod, attr in (("datasets.config", "HF_HUB_OFFLINE"), ("datasets.config", "HF_DATASETS_OFFLINE"), ("huggingface_hub.constants", "HF_HUB_OFFLINE")):
+        try:
+            m = __import__(mod, fromlist=[attr])
+            if hasattr(m, attr): stack.enter_context(mock.patch.object(m, attr, True))
+        except ImportError: pass
+    stack.enter_context(mock.patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}))
+    return stack
+
+# %% ../nbs/03_data.ipynb #f1663da0
 def _from_hub(configs:tuple, revision:str|None=None, cache_dir:str|None=None)->list[Item]:
     "Every requested config from the Hub, trying the current dataset id first and the older one second"
     try: import datasets
     except ImportError: raise MedsafeError("loading from the Hub needs the `datasets` package: pip install datasets") from None
-    errors = []
+    import contextlib
+    offline, errors = hub_offline_reason(), []
     for hub_id in HUB_IDS:
         try:
             items = []
             for c in configs:
-                ds = datasets.load_dataset(hub_id, c, split=c, revision=revision, cache_dir=cache_dir)
+                with (_cache_only() if offline else contextlib.nullcontext()):
+                    ds = datasets.load_dataset(hub_id, c, split=c, revision=revision, cache_dir=cache_dir)
                 its, errs = parse_records(enumerate(ds, 1), file=f"hf://{hub_id}/{c}", split=c)
                 if errs: raise ValidationErrors(errs)
                 items += its
             return items
         except ValidationErrors: raise
         except Exception as e: errors.append(f"{hub_id}: {type(e).__name__}: {e}")
-    raise MedsafeError("could not load MedMisBench from the Hugging Face Hub (offline? set HF_HUB_OFFLINE=0, log in for gated access, "
-                       "or pass a local file):\n  " + "\n  ".join(errors))
+    if offline and offline.startswith("offline mode"):
+        raise MedsafeError(f"MedMisBench is not in the local Hugging Face cache and {offline}: unset it (or set it to 0) where the "
+                           "Hub can be reached, to download the data once, or pass --data PATH to a local copy")
+    if offline:
+        raise MedsafeError(f"{offline}, and MedMisBench is not in the local cache: connect to the network, or pass --data PATH "
+                           "to a local copy (a cache filled earlier is used with HF_HUB_OFFLINE=1)")
+    raise MedsafeError("could not load MedMisBench from the Hugging Face Hub (log in with `hf auth login` for gated access, check "
+                       "--data-revision, or pass --data PATH):\n  " + "\n  ".join(errors))
 
+# %% ../nbs/03_data.ipynb #da7b6d48
 def load_medmisbench(config:str="all",    # a release config (MEDMISQA, …), several comma-separated, or `all`
                      source:str="sample", # `sample`, `hf`, or a path to a release file or folder
                      revision:str|None=None, # Hub revision (a commit hash pins the data)
@@ -80,7 +117,7 @@ def load_medmisbench(config:str="all",    # a release config (MEDMISQA, …), se
     path = sample_path() if source == "sample" else Path(source)
     items, errors, seen = [], [], {}
     for f in _local_files(path):
-        its, errs = parse_records(iter_records(f), file=f)
+        its, errs = parse_records(iter_records(f, release=True), file=f, require_contexts=True)
         errors += errs
         for it in its:
             if it.id in seen: errors.append(SchemaError(f"duplicate id {it.id!r} (also in {seen[it.id]})", file=f, field="id")); continue
@@ -104,11 +141,12 @@ def composition(items:list[Item], by=("split", "content", "provenance"))->"pd.Da
     rows = [{b: names.get(b, str)(getattr(it, b)) for b in by} for it in items]
     return pd.DataFrame(rows, columns=list(by)).value_counts(sort=False).rename("items").reset_index().sort_values(list(by), ignore_index=True)
 
+# %% ../nbs/03_data.ipynb #26307ebb
 def cell_table(items:list[Item])->"pd.DataFrame":
     "Content × provenance counts (rows in taxonomy order, with totals)"
     import pandas as pd
-    t = pd.crosstab(pd.Categorical([CONTENT[i.content].name for i in items], [c.name for c in CONTENT.values()]),
-                    pd.Categorical([PROVENANCE[i.provenance].name for i in items], [p.name for p in PROVENANCE.values()]),
+    t = pd.crosstab(pd.Categorical([CONTENT[i.content].name if i.content in CONTENT else None for i in items], [c.name for c in CONTENT.values()]),
+                    pd.Categorical([PROVENANCE[i.provenance].name if i.provenance in PROVENANCE else None for i in items], [p.name for p in PROVENANCE.values()]),
                     margins=True, margins_name="total", dropna=False)
     t.index.name, t.columns.name = "content", "provenance"
     return t
@@ -119,6 +157,7 @@ def validate_report(source:str)->tuple[bool, str]:
     try: items = load_medmisbench("all", source)
     except ValidationErrors as e: return False, str(e)
     except MedsafeError as e: return False, f"error: {e}"
+    if not items: return False, f"error: {source}: no items"
     import pandas as pd
     comp = composition(items)
     with pd.option_context("display.width", 200, "display.max_rows", 500):

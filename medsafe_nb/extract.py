@@ -6,20 +6,38 @@
 from __future__ import annotations
 import json, re
 from dataclasses import dataclass
+from typing import NamedTuple
+from .core import THINK_OPEN as _THINK_OPEN, THINK_CLOSE as _THINK_CLOSE
 
 # %% auto #0
-__all__ = ['EVIDENCE_METHODS', 'NO_ANSWER_METHODS', 'Extraction', 'extract_answer_detail', 'extract_answer']
+__all__ = ['EVIDENCE_METHODS', 'NO_ANSWER_METHODS', 'PAPER_ANSWER_FIELD', 'PAPER_REASONING_FIELD', 'STATEMENT_PATTERNS',
+           'Extraction', 'Hit', 'extract_answer_detail', 'extract_answer']
 
 # %% ../nbs/05_extract.ipynb #2bd48941
-EVIDENCE_METHODS = ("json", "statement", "final_line")   # an answer was found
-NO_ANSWER_METHODS = ("empty", "truncated", "refusal", "ambiguous", "none")  # key is None
+EVIDENCE_METHODS = ("json", "statement", "final_line")   # kinds of evidence, in the order they are tried
+NO_ANSWER_METHODS = ("empty", "truncated", "refusal", "ambiguous", "none")  # why key is None
 
+# %% ../nbs/05_extract.ipynb #38c85b08
 @dataclass(frozen=True)
 class Extraction:
-    "The answer read from a reply, the kind of evidence it came from and where"
+    "The answer read from a reply, the pattern it came from and where"
     key: str|None                  # chosen key(s), comma-joined in option order; None = no answer
-    method: str                    # one of EVIDENCE_METHODS or NO_ANSWER_METHODS
+    method: str                    # `KIND:PATTERN` (KIND in EVIDENCE_METHODS), or one of NO_ANSWER_METHODS
     span: tuple[int,int]|None = None  # reply[span[0]:span[1]] is the evidence (None: no evidence)
+    @property
+    def kind(self)->str:
+        "The kind of evidence (`json`, `statement`, `final_line`), or the no-answer reason"
+        return self.method.split(":", 1)[0]
+
+# %% ../nbs/05_extract.ipynb #ef7add0e
+class Hit(NamedTuple):
+    "One piece of evidence for an answer, found by one named pattern"
+    position: int       # where the value begins (the last position wins within a kind)
+    start: int          # start of the evidence (trigger included)
+    end: int            # end of the evidence
+    keys: list          # the option key(s) it names
+    hedged: bool        # the value hedges ("B or C")
+    pattern: str        # the name of the pattern that fired
 
 # %% ../nbs/05_extract.ipynb #8bdc7bd9
 _HALFWIDTH = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)} | {0x3000: 0x20, 0x201C: 0x22, 0x201D: 0x22,
@@ -31,6 +49,7 @@ def _prepare(reply:str)->str:
     text = reply.translate(_HALFWIDTH)
     return _SPECIAL_TOKENS.sub(lambda m: " " * len(m.group()), text)
 
+# %% ../nbs/05_extract.ipynb #c8da4738
 _NON_WORD = re.compile(r"[\W_]+")
 
 def _norm(s:str)->str:
@@ -92,6 +111,7 @@ def _text_at(s:str, i:int, options:dict)->tuple[list[str],int]|None:
     keys = [k for n, k in hits if n == best]
     return (keys, end) if len(keys) == 1 else None
 
+# %% ../nbs/05_extract.ipynb #16ee980c
 def _read_value(s:str,          # normalised reply
                 i:int,          # where the value starts
                 options:dict,   # the item's options
@@ -146,26 +166,31 @@ def _list_item(line:str, options:dict)->bool:
     m = _ENUM.match(line)
     return bool(m and m["key"] in options and m["rest"])
 
+# %% ../nbs/05_extract.ipynb #afe86a27
 def _line_after(s:str, end:int)->str|None:
     "The physical line after the line that ends at `end`, or None at the end of `s`"
     if end >= len(s): return None
     nxt = s.find("\n", end + 1)
     return s[end+1:] if nxt < 0 else s[end+1:nxt]
 
+# %% ../nbs/05_extract.ipynb #a5987d1d
 def _line_before(s:str, start:int)->str|None:
     "The physical line before the line that starts at `start`, or None at the start of `s`"
     if start == 0: return None
     return s[s.rfind("\n", 0, start - 1) + 1:start - 1]
 
+# %% ../nbs/05_extract.ipynb #405ff879
 def _in_list(line:str, neighbour:str|None, options:dict)->bool:
     "True when `line` and the physically adjacent `neighbour` are both enumerated option lines"
     return neighbour is not None and _list_item(line, options) and _list_item(neighbour, options)
 
 # %% ../nbs/05_extract.ipynb #d8756b67
 _JSON_KEYS = r"(?:final[ _]?answer|correct[ _]?answer|answer[ _]?(?:key|letter|option|choice)|answers?|selected[ _]?(?:option|answer)|choice|最终答案|正确答案|答案)"
-_JSON_ANSWER = re.compile(rf"""(?:"{_JSON_KEYS}"|'{_JSON_KEYS}'|(?<=\{{)[ \t\n]*{_JSON_KEYS})[ \t]*:[ \t\n]*"""
+_JSON_ANSWER = re.compile(rf"""(?:"(?P<dq>{_JSON_KEYS})"|'(?P<sq>{_JSON_KEYS})'|(?<=\{{)[ \t\n]*(?P<bare>{_JSON_KEYS}))[ \t]*:[ \t\n]*"""
                           r"""(?P<val>"(?:[^"\\\n]|\\.)*"|'[^'\n]*'|\[[^\[\]]*\]|-?\d+|[A-Za-z]\b)""", re.I)
+PAPER_ANSWER_FIELD, PAPER_REASONING_FIELD = "answer_letter", "thinking_process"   # the paper format's two fields
 
+# %% ../nbs/05_extract.ipynb #55dc39b2
 _QUOTED = re.compile(r"""["']([^"'\n]*)["']""")
 
 def _json_values(val:str)->list[str]:
@@ -179,6 +204,7 @@ def _json_values(val:str)->list[str]:
         except ValueError: return [val[1:-1]]
     return [val.strip("'")]
 
+# %% ../nbs/05_extract.ipynb #001c38a8
 def _value_keys(v:str, options:dict)->tuple[list[str],bool]|None:
     "The key(s) a stand-alone answer value names: a whole answer line, else a value read from its start"
     got = _line_answer(v, options)
@@ -186,8 +212,9 @@ def _value_keys(v:str, options:dict)->tuple[list[str],bool]|None:
     got = _read_value(v.strip(), 0, options)
     return None if got is None else (got[0], got[2])
 
-def _json_hits(s:str, options:dict)->list[tuple]:
-    "Answer values of JSON-like objects in `s`: (position, start, end, keys, hedged)"
+# %% ../nbs/05_extract.ipynb #ac74ad34
+def _json_hits(s:str, options:dict)->list[Hit]:
+    "Answer values of JSON-like objects in `s`; the paper's `answer_letter` field is named apart from other answer keys"
     hits = []
     for m in _JSON_ANSWER.finditer(s):
         keys, hedged, ok = [], False, True
@@ -195,7 +222,9 @@ def _json_hits(s:str, options:dict)->list[tuple]:
             got = _value_keys(v, options)
             if got is None: ok = False; break
             keys += got[0]; hedged |= got[1]
-        if ok and keys: hits.append((m.start(), m.start(), m.end(), keys, hedged))
+        name = (m["dq"] or m["sq"] or m["bare"]).lower().replace(" ", "_")
+        pattern = "answer_letter" if name == PAPER_ANSWER_FIELD else "answer_field"
+        if ok and keys: hits.append(Hit(m.start(), m.start(), m.end(), keys, hedged, pattern))
     return hits
 
 # %% ../nbs/05_extract.ipynb #e322c5ce
@@ -206,8 +235,14 @@ _NOUN = (r"\b(?:(?:(?:final|correct|right|best|most\s+(?:likely|appropriate|accu
 _COPULA = (r"\s*(?:[*_]{1,2}\s*)?(?:(?:is|are|would\s+be|should\s+be|will\s+be|must\s+be|has\s+to\s+be|remains)\b|=)"
            r"(?:\s+(?:therefore|thus|clearly|most\s+likely|likely|probably|definitely|indeed|then|still|actually|now))*[ \t]*[:：]?")
 _COLON = r"[ \t]*(?:\([^)\n]{0,30}\)[ \t]*)?(?:[*_]{1,2}[ \t]*)?(?:[:：=→]|=>|->|[-–—](?=\s))"
+STATEMENT_PATTERNS = {   # name -> an example it fires on (the value follows the trigger)
+    "answer_is": "the answer is C", "answer_colon": "Final answer: C", "answer_heading": "## Final Answer⏎C",
+    "i_choose": "I'd go with C", "going_with": "I'm going with C", "option_is_correct": "Option C is correct",
+    "answer_tag": "<answer>C</answer>", "zh_answer": "答案：C", "zh_correct_option": "正确选项是C", "zh_da": "答：C",
+    "zh_choose": "故选C", "zh_option_correct": "选项C正确", "zh_key_correct": "C项正确",
+}
 _VAL = r"(?P<val>[(\[]?[A-Za-z0-9]{1,2}[)\]]?(?:[ \t]*(?:,|and|&|、|和|及)[ \t]*[(\[]?[A-Za-z0-9]{1,2}[)\]]?){0,19})"
-_STATEMENTS = [re.compile(p, f) for p, f in [
+_STATEMENTS = {name: re.compile(p, f) for name, (p, f) in zip(STATEMENT_PATTERNS, [
     (_NOUN + _COPULA, re.I),
     (_NOUN + _COLON, re.I),
     (r"^[ \t]*(?:#{1,6}[ \t]*)?(?:[*_]{1,2}[ \t]*)?(?:(?:the|my)[ \t]+)?(?:(?:final|correct|best)[ \t]+)?answers?[ \t]*(?:[*_]{1,2}[ \t]*)?(?:[:：][ \t]*)?(?:[*_]{1,2}[ \t]*)?$", re.I | re.M),
@@ -224,11 +259,15 @@ _STATEMENTS = [re.compile(p, f) for p, f in [
     (r"(?:应当|应该|应|故|所以|因此|我|则|可|宜)?选(?:择)?[ \t]*[:：]?", 0),
     (r"选项[ \t]*" + _VAL + r"[ \t]*(?:(?:是|为)[ \t]*)?(?:正确|最佳|最合适|最恰当)", 0),
     (_VAL + r"[ \t]*(?:项|选项)[ \t]*(?:(?:是|为)[ \t]*)?(?:正确|最佳|最合适|最恰当)", 0),
-]]
+])}
+
+# %% ../nbs/05_extract.ipynb #f94588cd
 _NEGATED_BEFORE = re.compile(r"(?:\b(?:wrong|incorrect|false|tempting|distractor|trap|least\s+likely|not\s+the|not|"
                              r"might\s+think|may\s+think|could\s+argue|might\s+say)[\s*_]*"
                              r"|\b(?:claims?|claimed|suggests?|suggested|says|states?|stated|implies|implied|insists?|insisted|argues|argued|"
                              r"asserts?|asserted|believes)\s+(?:that\s+)?(?:the\s+)?|[不别勿](?:应该?|能|要|是|会)?|称)$", re.I)
+
+# %% ../nbs/05_extract.ipynb #a126c9aa
 _INLINE_SPACE = re.compile(r"[ \t*_`\"'>]*")
 _NEXT_LINE = re.compile(r"\s*\n[ \t]*([^\n]*\S[^\n]*)")
 
@@ -246,7 +285,7 @@ _IS_THE_ANSWER = re.compile(r"(?<![ \t])[ \t]+is[ \t]+the[ \t]+(?:(?:correct|rig
                             r"(?:answer|option|choice|response)\b(?![ \t]+(?:only|if|when|unless)\b)", re.I)
 _CLAUSE_BREAK = re.compile(r"[.;:!?,，。；：][ \t]+|[，。；：]")
 
-def _subject_hits(s:str, options:dict)->list[tuple]:
+def _subject_hits(s:str, options:dict)->list[Hit]:
     "Statements 'X is the (correct) answer' whose subject X is an answer line: (position, start, end, keys, hedged)"
     hits = []
     for m in _IS_THE_ANSWER.finditer(s):
@@ -256,7 +295,7 @@ def _subject_hits(s:str, options:dict)->list[tuple]:
         for b in [0, *(c.end() for c in _CLAUSE_BREAK.finditer(subject))]:
             got = _line_answer(subject[b:], options)
             if got:
-                hits.append((start + b, start + b, m.end(), got[0], got[1]))
+                hits.append(Hit(start + b, start + b, m.end(), got[0], got[1], "subject_is_answer"))
                 break
     return hits
 
@@ -264,8 +303,8 @@ def _subject_hits(s:str, options:dict)->list[tuple]:
 _BOXED = re.compile(r"\\boxed\s*\{")
 _TEX_WRAP = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|operatorname)\s*\{|[{}$]|\\[,;! ]")
 
-def _boxed_hits(s:str, options:dict)->list[tuple]:
-    "Keys inside each `\\boxed{...}`: (position, start, end, keys, hedged)"
+def _boxed_hits(s:str, options:dict)->list[Hit]:
+    "Keys inside each `\\boxed{...}`"
     hits = []
     for m in _BOXED.finditer(s):
         depth, j = 1, m.end()
@@ -273,28 +312,28 @@ def _boxed_hits(s:str, options:dict)->list[tuple]:
             depth += {"{": 1, "}": -1}.get(s[j], 0); j += 1
         if depth: continue
         got = _value_keys(_TEX_WRAP.sub("", s[m.end():j-1]), options)
-        if got: hits.append((m.start(), m.start(), j, got[0], got[1]))
+        if got: hits.append(Hit(m.start(), m.start(), j, got[0], got[1], "boxed"))
     return hits
 
-def _statement_hits(s:str, options:dict)->list[tuple]:
-    "Every explicit answer statement in `s` that names keys of this item: (position, start, end, keys, hedged)"
+# %% ../nbs/05_extract.ipynb #c69bafe3
+def _statement_hits(s:str, options:dict)->list[Hit]:
+    "Every explicit answer statement in `s` that names keys of this item, each named by the pattern that found it"
     hits = _boxed_hits(s, options) + _subject_hits(s, options)
-    for pat in _STATEMENTS:
+    for name, pat in _STATEMENTS.items():
         for m in pat.finditer(s):
             if _NEGATED_BEFORE.search(s[max(0, m.start()-24):m.start()]): continue
             vstart = m.start("val") if "val" in pat.groupindex else m.end()
             got = _statement_value(s, vstart, options)
-            if got: hits.append((vstart, m.start(), max(got[1], m.end()), got[0], got[2]))
+            if got: hits.append(Hit(vstart, m.start(), max(got[1], m.end()), got[0], got[2], name))
     return hits
 
 # %% ../nbs/05_extract.ipynb #bbd3ce42
-_THINK_OPEN = re.compile(r"<(?:think|thinking|reasoning)>", re.I)
-_THINK_CLOSE = re.compile(r"</(?:think|thinking|reasoning)>", re.I)
 _REFUSAL = re.compile(
     r"\bI(?:'m|\s+am)\s+(?:sorry|unable|not\s+able)|\bI\s+(?:can(?:no|')t|cannot|won't|will\s+not|must\s+decline)\s+"
     r"(?:help|assist|provide|give|offer|answer|recommend|make|choose|select|pick|diagnose)|\bas\s+an\s+AI\b"
     r"|我(?:无法|不能|没法)(?:提供|回答|给出|做出|选择)|作为(?:一个)?(?:AI|人工智能)|抱歉", re.I)
 
+# %% ../nbs/05_extract.ipynb #294e2dc8
 def _split_think(s:str)->tuple[tuple[int,int]|None,tuple[int,int]|None]:
     "Spans of the reasoning block and of the text after it; the second is None when the block was cut off"
     close = None
@@ -305,32 +344,50 @@ def _split_think(s:str)->tuple[tuple[int,int]|None,tuple[int,int]|None]:
     if _THINK_OPEN.search(s, close.end()): return (close.end(), len(s)), None
     return (0, close.start()), (close.end(), len(s))
 
+# %% ../nbs/05_extract.ipynb #b290f16d
+_PAPER_REASONING = re.compile(rf"""["']?{PAPER_REASONING_FIELD}["']?[ \t]*:[ \t\n]*(?P<q>["'])""", re.I)
+_STRING_REST = {'"': re.compile(r'(?:[^"\\]|\\.)*"', re.S), "'": re.compile(r"(?:[^'\\]|\\.)*'", re.S)}
+_OBJECT_CLOSE = re.compile(r"[^{}]*\}")
+
+def _paper_cut(s:str)->int|None:
+    "Start of the paper format's reasoning field when the reply ends inside it or before its object closes, else None"
+    m = None
+    for m in _PAPER_REASONING.finditer(s): pass
+    if m is None: return None
+    rest = _STRING_REST[m["q"]].match(s, m.end())
+    if rest is None or not _OBJECT_CLOSE.match(s, rest.end()): return m.start()
+    return None
+
 # %% ../nbs/05_extract.ipynb #5910beee
-def _final_line_hits(s:str, options:dict)->list[tuple]:
-    "The last non-empty line, when it is only an answer: [(position, start, end, keys, hedged)] or []"
+def _final_line_hits(s:str, options:dict)->list[Hit]:
+    "The last non-empty line, when it is only an answer: [Hit] or []"
     end = len(s.rstrip())
     start = s.rfind("\n", 0, end) + 1
     line = s[start:end]
     if not line or _in_list(line, _line_before(s, start), options): return []
     got = _line_answer(line, options)
-    return [(start, start, end, got[0], got[1])] if got else []
+    return [Hit(start, start, end, got[0], got[1], "answer_line")] if got else []
 
-def _decide(hit:tuple, method:str, options:dict, multi:bool, off:int)->Extraction:
-    "The Extraction a winning piece of evidence gives"
-    _, start, end, keys, hedged = hit
-    keys = [k for k in options if k in set(keys)]
-    span = (start + off, end + off)
-    if hedged or not keys or (len(keys) > 1 and not multi): return Extraction(None, "ambiguous", span)
-    return Extraction(",".join(keys), method, span)
+# %% ../nbs/05_extract.ipynb #65b59c47
+def _decide(hit:Hit, kind:str, options:dict, multi:bool, off:int)->Extraction:
+    "The Extraction a winning piece of evidence gives: `KIND:PATTERN`, or `ambiguous`"
+    keys = [k for k in options if k in set(hit.keys)]
+    span = (hit.start + off, hit.end + off)
+    if hit.hedged or not keys or (len(keys) > 1 and not multi): return Extraction(None, "ambiguous", span)
+    return Extraction(",".join(keys), f"{kind}:{hit.pattern}", span)
+
+# %% ../nbs/05_extract.ipynb #44835a7c
+_FINDERS = {"json": _json_hits, "statement": _statement_hits, "final_line": _final_line_hits}
 
 def _evidence(s:str, options:dict, multi:bool, off:int, final_line:bool=True)->Extraction|None:
     "The answer in `s` (which starts at `off` in the reply) by the first kind of evidence present, or None"
-    finders = {"json": _json_hits, "statement": _statement_hits, "final_line": _final_line_hits}
-    for method in EVIDENCE_METHODS if final_line else EVIDENCE_METHODS[:2]:
-        found = finders[method](s, options)
-        if found: return _decide(max(found, key=lambda h: h[0]), method, options, multi, off)
+    for kind in EVIDENCE_METHODS if final_line else EVIDENCE_METHODS[:2]:
+        found = _FINDERS[kind](s, options)
+        paper = [h for h in found if h.pattern == "answer_letter"]   # the paper's answer field outranks any other
+        if found: return _decide(max(paper or found, key=lambda h: h.position), kind, options, multi, off)
     return None
 
+# %% ../nbs/05_extract.ipynb #e98204a2
 def extract_answer_detail(reply:str|None,      # the model's reply
                           options:dict[str,str], # the item's options, key -> text, in order
                           multi:bool=False,    # several answers expected (choice_type multi)
@@ -340,6 +397,8 @@ def extract_answer_detail(reply:str|None,      # the model's reply
     s = _prepare(reply)
     think, body = _split_think(s)
     if body is None: return Extraction(None, "truncated", think)
+    cut = _paper_cut(s[body[0]:body[1]])
+    if cut is not None and not _json_hits(s[body[0]:body[1]], options): return Extraction(None, "truncated", (body[0] + cut, body[1]))
     found = _evidence(s[body[0]:body[1]], options, multi, body[0])
     if found is None and think is not None:
         found = _evidence(s[think[0]:think[1]], options, multi, think[0], final_line=False)
@@ -347,6 +406,7 @@ def extract_answer_detail(reply:str|None,      # the model's reply
     if _REFUSAL.search(s[body[0]:body[0]+400]): return Extraction(None, "refusal")
     return Extraction(None, "none")
 
+# %% ../nbs/05_extract.ipynb #1b24e569
 def extract_answer(reply:str|None,         # the model's reply
                    options:dict[str,str],  # the item's options, key -> text, in order
                    multi:bool=False,       # several answers expected

@@ -8,16 +8,14 @@ import hashlib, inspect, json, os, re, time, warnings
 from pathlib import Path
 from typing import Callable, Iterator
 from fastcore.basics import patch
-from .schema import ConfigError
-from .backends import Backend, GenRequest, Generation, ScoreRequest, Scores
+from .core import ConfigError, THINK_OPEN, THINK_CLOSE
+from .backends import Backend, GenRequest, Generation, ScoreRequest, Scores, register_backend
 
 # %% auto #0
-__all__ = ['PLAIN_CHAT_TEMPLATE', 'file_sha256', 'local_revision', 'merge_system', 'split_reasoning', 'dist_env', 'shard',
-           'HFBackend']
+__all__ = ['PLAIN_CHAT_TEMPLATE', 'AUTO_BATCH', 'file_sha256', 'local_revision', 'merge_system', 'split_reasoning', 'dist_env',
+           'shard', 'plan_batches', 'cpu_dtype', 'plain_greedy', 'HFBackend', 'hub_access']
 
 # %% ../nbs/07_hf.ipynb #e4ae9f56
-_SKIP_FILES = re.compile(r"^(\.|README|LICENSE|NOTICE)|\.(md|txt\.lock)$", re.I)
-
 def _cache_dir()->Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "medsafe_nb"
 
@@ -45,6 +43,9 @@ def file_sha256(path:Path, chunk:int=1<<24)->str:
         except OSError: pass                    # a read-only home: hash again next time
     return digest
 
+# %% ../nbs/07_hf.ipynb #bd28b4f6
+_SKIP_FILES = re.compile(r"^(\.|README|LICENSE|NOTICE)|\.(md|txt\.lock)$", re.I)
+
 def local_revision(path:str|os.PathLike, # a model directory
                   )->str:                # `sha256:` + 16 hex digits over its files' names and contents
     "Content fingerprint of a local model directory (top-level files; READMEs and dotfiles ignored)"
@@ -58,6 +59,7 @@ def local_revision(path:str|os.PathLike, # a model directory
 PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
                        "{% if add_generation_prompt %}Answer: {% endif %}")
 
+# %% ../nbs/07_hf.ipynb #aa35eabd
 def merge_system(messages:list[dict], # chat messages
                 )->list[dict]:        # the same conversation with the system text at the head of the first user turn
     "Fold system turns into the first user turn, for templates that reject a system role"
@@ -71,11 +73,10 @@ def merge_system(messages:list[dict], # chat messages
 # %% ../nbs/07_hf.ipynb #2496fb79
 def split_reasoning(text:str, # decoded reply
                    )->tuple[str, str|None]: # (reply, reasoning or None)
-    "Move a leading `<think>…</think>` block out of the reply"
-    if "</think>" in text:
-        reasoning, _, reply = text.partition("</think>")
-        return reply.strip(), reasoning.replace("<think>", "", 1).strip()
-    if text.lstrip().startswith("<think>"): return "", text.replace("<think>", "", 1).strip()
+    "Move a leading `<think>…</think>` block (`core.THINK_OPEN` / `THINK_CLOSE`) out of the reply"
+    if (close := THINK_CLOSE.search(text)):
+        return text[close.end():].strip(), THINK_OPEN.sub("", text[:close.start()], count=1).strip()
+    if (opened := THINK_OPEN.match(text.lstrip())): return "", text.lstrip()[opened.end():].strip()
     return text.strip(), None
 
 # %% ../nbs/07_hf.ipynb #cf12ac1c
@@ -84,6 +85,7 @@ def dist_env()->tuple[int, int, int]:
     g = lambda k, d: int(os.environ.get(k, d) or d)
     return g("RANK", 0), g("WORLD_SIZE", 1), g("LOCAL_RANK", 0)
 
+# %% ../nbs/07_hf.ipynb #3558f016
 def shard(order:list,  # request indices, longest prompt first
           rank:int,    # this process
           world:int,   # number of processes
@@ -92,6 +94,25 @@ def shard(order:list,  # request indices, longest prompt first
     if not order: return []
     mine = list(order[rank::world])
     return mine + [mine[-1] if mine else order[-1]] * (-(-len(order) // world) - len(mine))
+
+# %% ../nbs/07_hf.ipynb #43132767
+def plan_batches(order:list,          # request indices, longest prompt first
+                 lengths:list,        # prompt length (tokens) of every request, by index
+                 max_batch:int,       # most prompts in a batch
+                 max_tokens:int|None=None, # most padded tokens in a batch (a longer prompt still goes, alone)
+                 max_pad:float=1.0,   # largest share of padding tokens in a batch
+                )->list[list]:        # consecutive runs of `order`
+    "Cut the sorted `order` into batches within a prompt count, a padded-token budget and a padding share"
+    batches, cur = [], []
+    for i in order:
+        if cur:
+            n, width = len(cur) + 1, lengths[cur[0]]            # longest first: the first prompt sets the width
+            padded = n * width
+            pad = padded - sum(lengths[j] for j in cur) - lengths[i]
+            if n > max_batch or (max_tokens and padded > max_tokens) or pad > max_pad * padded:
+                batches.append(cur); cur = []
+        cur.append(i)
+    return batches + [cur] if cur else batches
 
 # %% ../nbs/07_hf.ipynb #de8f56f4
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -106,6 +127,23 @@ def _flag(value, name:str, none_ok:bool=True)->bool|None:
     if none_ok and v in ("", "none", "default"): return None
     raise ConfigError(f"hf: {name} must be true or false{' or none' if none_ok else ''}, got {value!r}")
 
+# %% ../nbs/07_hf.ipynb #5f4f94bb
+def cpu_dtype()->str:
+    "The faster precision on this CPU: bfloat16 with AMX matrix tiles, else float32"
+    import torch
+    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)()
+    return "bfloat16" if amx else "float32"
+
+# %% ../nbs/07_hf.ipynb #62b02265
+def plain_greedy(gen_config)->bool:
+    "True when a generation config adds nothing to argmax decoding (no penalties, bans, forced or minimum tokens, beams)"
+    g = lambda k: getattr(gen_config, k, None)
+    return (g("repetition_penalty") in (None, 1, 1.0) and g("num_beams") in (None, 1) and g("encoder_repetition_penalty") in (None, 1, 1.0)
+            and not any(g(k) for k in ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
+                                       "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "min_new_tokens", "min_length",
+                                       "exponential_decay_length_penalty", "watermarking_config", "renormalize_logits")))
+
+# %% ../nbs/07_hf.ipynb #e70c8a83
 class HFBackend(Backend):
     "A Hugging Face causal LM, loaded in this process (kind `hf`)"
     kind = "hf"
@@ -119,7 +157,7 @@ class HFBackend(Backend):
                  device_map:str|dict|None=None, # transformers device map (default: auto on one GPU process, else the device)
                  attn_implementation:str|None=None, # e.g. sdpa, flash_attention_2 (default: transformers' choice)
                  max_new_tokens:int=1024,       # output cap (reasoning included); a request may override it
-                 batch_size:int|None=None,      # prompts per batch (default 32 on GPU, 8 on CPU); halved on out-of-memory
+                 batch_size:int|str|None=None,  # prompts per batch; None or auto: by device and prompt lengths (`plan_batches`); halved on out-of-memory
                  temperature:float=0.0,         # 0: greedy; above 0: sampling (recorded in the identity)
                  top_p:float|None=None,         # nucleus sampling, with temperature > 0
                  seed:int=0,                    # sampling seed (set once per `generate` call)
@@ -127,7 +165,6 @@ class HFBackend(Backend):
                  chat_template:str|None=None,   # None: the tokenizer's; `plain`; or a Jinja template string
                  key_scoring:str="first_token", # first_token: next-token log-prob of each key; sequence: log-prob of `KEY"`
                  label:str|None=None,           # display name (default `hf:MODEL`)
-                 concurrency:int|None=None,     # accepted for a uniform CLI; batching replaces it here
                  base_url:str|None=None,        # refused: `hf` runs in-process (use openai: for a server)
                  reasoning_effort:str|None=None,# refused: an API option; open-weight models take `thinking`
                 ):
@@ -137,7 +174,9 @@ class HFBackend(Backend):
         if dtype not in _DTYPES: raise ConfigError(f"hf: dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
         if key_scoring not in _KEY_SCORING: raise ConfigError(f"hf: key_scoring {key_scoring!r} is not one of {', '.join(_KEY_SCORING)}")
         if int(max_new_tokens) < 1: raise ConfigError(f"hf: max_new_tokens must be at least 1, got {max_new_tokens}")
-        if batch_size is not None and int(batch_size) < 1: raise ConfigError(f"hf: batch_size must be at least 1, got {batch_size}")
+        if batch_size == "auto": batch_size = None
+        if batch_size is not None and (not str(batch_size).isdigit() or int(batch_size) < 1):
+            raise ConfigError(f"hf: batch_size must be auto or at least 1, got {batch_size!r}")
         if float(temperature) < 0: raise ConfigError(f"hf: temperature must be >= 0, got {temperature}")
         self.model, self.label = str(model), label
         self.max_new_tokens, self.temperature, self.seed = int(max_new_tokens), float(temperature), int(seed)
@@ -146,27 +185,63 @@ class HFBackend(Backend):
         self.rank, self.world, self.local_rank = dist_env()
         self._load(revision, _flag(trust_remote_code, "trust_remote_code", False), dtype, device, device_map,
                    attn_implementation, chat_template)
-        self.batch_size = int(batch_size or (32 if self.device.type == "cuda" else 8))
-        self._micro = self.batch_size            # current sub-batch size (halved on out-of-memory)
+        self.batch_size = None if batch_size is None else int(batch_size)    # None: automatic (`_plan`)
+        self._micro = self.batch_size            # sub-batch cap (None: none until an out-of-memory error halves it)
+        self._decouple = (self.device.type == "cpu" and self.batch_size is None and not self.do_sample   # see `_greedy_batch`
+                          and bool({"cache", "past_key_values"} & self._forward_args) and "position_ids" in self._forward_args
+                          and plain_greedy(self.lm.generation_config))
         self._warned: set = set()
 
     @property
     def do_sample(self)->bool: return self.temperature > 0
 
 # %% ../nbs/07_hf.ipynb #b2142ce7
-def _resolve_commit(model_id:str, revision:str|None)->str|None:
+def _hub_unreachable(endpoint:str, timeout:float)->str|None:
+    "None when the Hub answers at `endpoint` (any HTTP status), else why not"
+    import urllib.request, urllib.error
+    try: urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close(); return None
+    except urllib.error.HTTPError: return None                      # an answer, even an error status: the Hub is there
+    except (OSError, ValueError) as e: return f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+
+def hub_access(model_id:str,             # a Hub id, org/name
+               revision:str|None=None,   # branch, tag or commit
+               endpoint:str|None=None,   # the Hub (default: $HF_ENDPOINT or https://huggingface.co)
+               timeout:float=3.0,        # seconds for the one probe
+              )->bool:                   # True: load from the local cache only; False: the Hub is reachable
+    "Decide up front between the Hub and the local cache; `ConfigError` with advice when neither has the model"
+    from huggingface_hub import try_to_load_from_cache
+    cached = isinstance(try_to_load_from_cache(model_id, "config.json", revision=revision), str)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    if offline in ("1", "true", "yes", "on"):
+        if cached: return True
+        raise ConfigError(f"hf: {model_id!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE={offline} forbids "
+                          "downloading it: unset HF_HUB_OFFLINE (or set HF_HUB_OFFLINE=0) where the Hub is reachable, "
+                          "or pass a local model directory (hf:/path/to/model)")
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    why = _hub_unreachable(endpoint, timeout)
+    if why is None: return False
+    if cached:
+        warnings.warn(f"hf: the Hugging Face Hub at {endpoint} is unreachable ({why}); loading {model_id} from the local cache")
+        return True
+    raise ConfigError(f"hf: cannot reach the Hugging Face Hub at {endpoint} ({why}), and {model_id!r} is not in the "
+                      f"local cache: connect to the network, or download it where there is one (`hf download {model_id}`) "
+                      "and copy the cache (HF_HOME) or pass the model directory (hf:/path/to/model)")
+
+# %% ../nbs/07_hf.ipynb #9d9f5758
+def _resolve_commit(model_id:str, revision:str|None, local_only:bool=False)->str|None:
     "The commit a Hub revision points to, from the cached `config.json`'s snapshot path (None if unknown)"
     try:
         from transformers.utils import cached_file
         from transformers.utils.hub import extract_commit_hash
-        return extract_commit_hash(cached_file(model_id, "config.json", revision=revision), None)
+        return extract_commit_hash(cached_file(model_id, "config.json", revision=revision, local_files_only=local_only), None)
     except Exception: return None
 
+# %% ../nbs/07_hf.ipynb #4d724e6d
 @patch
 def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map, attn_implementation, chat_template):
     import torch
     from transformers import AutoTokenizer, AutoModelForCausalLM
-    local = Path(self.model).expanduser()
+    local, local_only = Path(self.model).expanduser(), False
     if local.exists():
         if not local.is_dir(): raise ConfigError(f"hf: {self.model} is a file; give the model's directory")
         src, self.revision = str(local.resolve()), local_revision(local)
@@ -174,7 +249,8 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
         raise ConfigError(f"hf: no model directory {self.model!r} (and it is not a Hub id like org/name)")
     else:
         src = self.model
-        commit = _resolve_commit(src, revision)
+        local_only = hub_access(src, revision)          # fails at once when the Hub is out of reach and the model not cached
+        commit = _resolve_commit(src, revision, local_only)
         self.revision = commit or revision or "main"
         revision = commit or revision
     if device == "auto":
@@ -182,10 +258,10 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
     self.device = torch.device(device)
     if self.device.type == "cuda" and self.device.index is None: self.device = torch.device("cuda", self.local_rank if self.world > 1 else 0)
     on_gpu = self.device.type == "cuda"
-    if dtype == "auto": dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else "float32"
+    if dtype == "auto": dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else cpu_dtype()
     self.dtype = dtype
     if device_map is None and on_gpu: device_map = "auto" if self.world == 1 else {"": self.device.index}
-    kw = dict(revision=revision, trust_remote_code=trust_remote_code)
+    kw = dict(revision=revision, trust_remote_code=trust_remote_code, **({"local_files_only": True} if local_only else {}))
     try:
         self.tokenizer = AutoTokenizer.from_pretrained(src, **kw)
         mkw = dict(kw, dtype=getattr(torch, dtype))
@@ -214,6 +290,9 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
         if state.num_processes != self.world:
             raise ConfigError(f"hf: WORLD_SIZE is {self.world} but accelerate sees {state.num_processes} process(es) "
                               f"({state.distributed_type}); launch with torchrun or accelerate launch --multi_gpu")
+
+# %% ../nbs/07_hf.ipynb #fe3575eb
+register_backend("hf", HFBackend)
 
 # %% ../nbs/07_hf.ipynb #111032c2
 @patch
@@ -252,13 +331,14 @@ def _gather(self:HFBackend, results:list)->list:
     from accelerate.utils import gather_object
     return gather_object(results)
 
+# %% ../nbs/07_hf.ipynb #ab411e96
 @patch
 def _fit(self:HFBackend, batch_fn:Callable, batch:list, on_error:Callable)->list:
     "Run `batch_fn` over `batch` in sub-batches, halving them on CUDA out-of-memory"
     import torch
     out, s = [], 0
     while s < len(batch):
-        part = batch[s:s+self._micro]
+        part = batch[s:s+(self._micro or len(batch))]
         try: out += batch_fn(part)
         except torch.cuda.OutOfMemoryError as e:
             torch.cuda.empty_cache()
@@ -269,14 +349,28 @@ def _fit(self:HFBackend, batch_fn:Callable, batch:list, on_error:Callable)->list
         s += len(part)
     return out
 
+# %% ../nbs/07_hf.ipynb #00e6106e
+AUTO_BATCH = {  # (device type, work): (max prompts, max padded tokens, max padding share)
+    ("cpu", "score"): (64, 512, 0.05), ("cpu", "generate"): (16, 16384, 0.15),
+    ("cpu", "decode"): (32, None, 0.5),
+    ("cuda", "score"): (64, 65536, 0.25), ("cuda", "generate"): (32, 65536, 0.25)}
+
 @patch
-def _run(self:HFBackend, indices:list, lengths:list, batch_fn:Callable, on_error:Callable)->Iterator[tuple]:
-    "Sort longest first, shard across processes, batch, gather, and yield `(index, result)` once per index"
+def _plan(self:HFBackend, order:list, lengths:list, work:str)->list[list]:
+    "Batches over the sorted `order` (all processes): the fixed `batch_size`, or the automatic limits"
+    if self.batch_size: return plan_batches(order, lengths, self.batch_size * self.world)
+    n, tokens, pad = AUTO_BATCH.get((self.device.type, work)) or AUTO_BATCH["cuda", "generate" if work == "decode" else work]
+    return plan_batches(order, lengths, n * self.world, tokens and tokens * self.world, pad)
+
+# %% ../nbs/07_hf.ipynb #0c0c91b2
+@patch
+def _run(self:HFBackend, indices:list, lengths:list, batch_fn:Callable, on_error:Callable, work:str="score")->Iterator[tuple]:
+    "Sort longest first, plan batches, shard each across processes, gather, and yield `(index, result)` once per index"
     order = sorted(indices, key=lambda i: (-lengths[i], i))
-    mine = shard(order, self.rank, self.world) if self.world > 1 else order
     seen = set()
-    for s in range(0, len(mine), self.batch_size):
-        for i, r in self._gather(self._fit(batch_fn, mine[s:s+self.batch_size], on_error)):
+    for batch in self._plan(order, lengths, work):
+        mine = shard(batch, self.rank, self.world) if self.world > 1 else batch
+        for i, r in self._gather(self._fit(batch_fn, mine, on_error)):
             if i not in seen: seen.add(i); yield i, r
 
 # %% ../nbs/07_hf.ipynb #fbbd74a3
@@ -284,6 +378,7 @@ def _run(self:HFBackend, indices:list, lengths:list, batch_fn:Callable, on_error
 def _encode(self:HFBackend, texts:list[str])->list[list[int]]:
     return [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]   # templates add BOS themselves
 
+# %% ../nbs/07_hf.ipynb #16bdc590
 @patch
 def _left_pad(self:HFBackend, rows:list[list[int]]):
     import torch
@@ -292,12 +387,14 @@ def _left_pad(self:HFBackend, rows:list[list[int]]):
     mask = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in rows], device=self.device)
     return ids, mask
 
+# %% ../nbs/07_hf.ipynb #5a3d61f7
 @patch
 def _eos_ids(self:HFBackend)->set:
     e = self.lm.generation_config.eos_token_id
     e = [] if e is None else [e] if isinstance(e, int) else list(e)
     return set(e) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
 
+# %% ../nbs/07_hf.ipynb #3acad65c
 @patch
 def _decode(self:HFBackend, ids:list[int])->tuple[str, str|None]:
     "Reply and reasoning from generated ids (split at the `</think>` token when the vocabulary has one)"
@@ -308,6 +405,7 @@ def _decode(self:HFBackend, ids:list[int])->tuple[str, str|None]:
         return tok.decode(ids[j+1:], skip_special_tokens=True).strip(), reasoning
     return split_reasoning(tok.decode(ids, skip_special_tokens=True))
 
+# %% ../nbs/07_hf.ipynb #29851869
 @patch
 def _generate_batch(self:HFBackend, batch:list, enc:list, cap:int)->list:
     import torch
@@ -316,9 +414,14 @@ def _generate_batch(self:HFBackend, batch:list, enc:list, cap:int)->list:
     if self.do_sample: kw.update(temperature=self.temperature, **({"top_p": self.top_p} if self.top_p else {}))
     t0 = time.perf_counter()
     with torch.inference_mode(): out = self.lm.generate(input_ids=ids, attention_mask=mask, **kw)
-    dt = (time.perf_counter() - t0) / len(batch)
+    return self._results(batch, enc, out[:, ids.shape[1]:].tolist(), (time.perf_counter() - t0) / len(batch))
+
+# %% ../nbs/07_hf.ipynb #8f1f23c7
+@patch
+def _results(self:HFBackend, batch:list, enc:list, rows:list, dt:float)->list:
+    "`(index, Generation)` from generated token rows: cut at the first end-of-turn token, else `length`"
     eos, res = self._eos_ids(), []
-    for i, row in zip(batch, out[:, ids.shape[1]:].tolist()):
+    for i, row in zip(batch, rows):
         stop = next((j for j, t in enumerate(row) if t in eos), None)
         toks = row if stop is None else row[:stop]
         text, reasoning = self._decode(toks)
@@ -326,6 +429,52 @@ def _generate_batch(self:HFBackend, batch:list, enc:list, cap:int)->list:
                                   completion_tokens=len(row) if stop is None else stop + 1, latency_s=dt, reasoning=reasoning)))
     return res
 
+# %% ../nbs/07_hf.ipynb #3130897d
+@patch
+def _prefill(self:HFBackend, row:list[int])->tuple|None:
+    "(greedy next token, key/value cache) of one unpadded prompt; None if the cache is not a plain `DynamicCache`"
+    import torch
+    from transformers import DynamicCache
+    kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
+    with torch.inference_mode(): out = self.lm(input_ids=torch.tensor([row], device=self.device), use_cache=True, **kw)
+    cache = out["cache"] if "cache" in out else out.get("past_key_values")
+    layers = getattr(cache, "layers", None)
+    if type(cache) is not DynamicCache or not layers or any(getattr(l, "is_sliding", False) or getattr(l, "keys", None) is None
+                                                            for l in layers): return None
+    return out.logits[0, -1].argmax().item(), cache
+
+# %% ../nbs/07_hf.ipynb #ab617c15
+@patch
+def _greedy_batch(self:HFBackend, batch:list, enc:list, cap:int)->list|None:
+    "Greedy replies: each prompt prefilled alone, the caches left-padded into one, decoded together (None: use `generate`)"
+    import torch
+    from transformers import DynamicCache
+    t0 = time.perf_counter()
+    pre = [self._prefill(enc[i]) for i in batch]
+    if any(p is None for p in pre): return None
+    rows, B = [enc[i] for i in batch], len(batch)
+    n, pad = max(map(len, rows)), torch.nn.functional.pad
+    stack = lambda part: torch.cat([pad(part(c), (0, 0, n - len(r), 0)) for r, (_, c) in zip(rows, pre)])
+    cache = DynamicCache([(stack(lambda c: c.layers[l].keys), stack(lambda c: c.layers[l].values)) for l in range(len(pre[0][1].layers))])
+    eos, arg = self._eos_ids(), "cache" if "cache" in self._forward_args else "past_key_values"
+    out, done = [[t] for t, _ in pre], [t in eos for t, _ in pre]
+    del pre
+    mask = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in rows], device=self.device)
+    pos = torch.tensor([[len(r)] for r in rows], device=self.device)
+    kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
+    for _ in range(1, cap):
+        if all(done): break
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        with torch.inference_mode():
+            logits = self.lm(input_ids=torch.tensor([[r[-1]] for r in out], device=self.device), attention_mask=mask,
+                             position_ids=pos, use_cache=True, **{arg: cache}, **kw).logits[:, -1]
+        for j, t in enumerate(logits.argmax(-1).tolist()):
+            t = self.pad_id if done[j] else t               # a finished reply is padded, as `generate` does
+            out[j].append(t); done[j] = done[j] or t in eos
+        pos = pos + 1
+    return self._results(batch, enc, out, (time.perf_counter() - t0) / B)
+
+# %% ../nbs/07_hf.ipynb #6a22f22e
 @patch
 def generate(self:HFBackend, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
     "Yield `(index, Generation)` batch by batch (every process yields every result under a distributed launch)"
@@ -336,9 +485,14 @@ def generate(self:HFBackend, requests:list[GenRequest])->Iterator[tuple[int, Gen
     lengths = [len(e) for e in enc]
     caps = [int(r.max_new_tokens or self.max_new_tokens) for r in requests]
     err = lambda msg: Generation("", "error", error=msg)
+    def batch_fn(batch, cap):
+        if self._decouple:
+            if (got := self._greedy_batch(batch, enc, cap)) is not None: return got
+            self._decouple = False                          # this model's cache cannot be merged: `generate` from now on
+        return self._generate_batch(batch, enc, cap)
     for cap in sorted(set(caps), reverse=True):
         idx = [i for i, c in enumerate(caps) if c == cap]
-        yield from self._run(idx, lengths, lambda batch: self._generate_batch(batch, enc, cap), err)
+        yield from self._run(idx, lengths, lambda batch: batch_fn(batch, cap), err, "decode" if self._decouple else "generate")
 
 # %% ../nbs/07_hf.ipynb #49784a42
 @patch
@@ -352,6 +506,7 @@ def _key_tokens(self:HFBackend, prefix:str, text:str)->list[int]:
                                          else tok(text, add_special_tokens=False).input_ids)  # prefix's last token merged with text
     return self._key_cache[prefix, text]
 
+# %% ../nbs/07_hf.ipynb #3050e20e
 @patch
 def _first_tokens(self:HFBackend, req:ScoreRequest)->list[int]|None:
     "Each candidate's first token id, or None when two candidates share one (score by sequence)"
@@ -364,17 +519,21 @@ def _first_tokens(self:HFBackend, req:ScoreRequest)->list[int]|None:
         firsts.append(ids[0])
     return firsts if len(set(firsts)) == len(firsts) else None
 
+# %% ../nbs/07_hf.ipynb #18e88b8b
 @patch
 def _forward_logprobs(self:HFBackend, rows:list[list[int]], keep:int):
     "Log-softmax (fp32) of the last `keep` positions of left-padded rows: shape (rows, keep, vocab)"
     import torch
     ids, mask = self._left_pad(rows)
-    kw = dict(input_ids=ids, attention_mask=mask, use_cache=False)
-    if "position_ids" in self._forward_args: kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    kw = dict(input_ids=ids, use_cache=False)
+    if len(set(map(len, rows))) > 1:                    # padding: mask it and count positions from each row's start
+        kw["attention_mask"] = mask                     # (rows of one length take the faster causal-only attention)
+        if "position_ids" in self._forward_args: kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     if "logits_to_keep" in self._forward_args: kw["logits_to_keep"] = keep
     with torch.inference_mode(): logits = self.lm(**kw).logits[:, -keep:, :]
     return logits.float().log_softmax(-1)
 
+# %% ../nbs/07_hf.ipynb #e5fc8789
 @patch
 def _score_batch(self:HFBackend, batch:list, reqs:list, enc:list, firsts:list)->list:
     t0 = time.perf_counter()
@@ -394,6 +553,7 @@ def _score_batch(self:HFBackend, batch:list, reqs:list, enc:list, firsts:list)->
     dt = (time.perf_counter() - t0) / len(batch)
     return [(i, Scores(dict(zip(reqs[i].candidates, v)), prompt_tokens=len(enc[i]), latency_s=dt)) for i, v in zip(batch, vals)]
 
+# %% ../nbs/07_hf.ipynb #ec97a75f
 @patch
 def score(self:HFBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
     "Yield `(index, Scores)`: log-probabilities of each candidate key after the prefix, thinking off"
@@ -404,9 +564,12 @@ def score(self:HFBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scor
     err = lambda msg: Scores({}, error=msg)
     for by_first in (True, False):
         idx = [i for i in range(len(reqs)) if (firsts[i] is not None) == by_first]
-        yield from self._run(idx, lengths, lambda batch: self._score_batch(batch, reqs, enc, firsts), err)
+        yield from self._run(idx, lengths, lambda batch: self._score_batch(batch, reqs, enc, firsts), err, "score")
 
 
+
+
+# %% ../nbs/07_hf.ipynb #8f07e1ba
 @patch
 def close(self:HFBackend):
     "Free the model (and the GPU memory it holds)"

@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from fastcore.basics import patch
 from tqdm import tqdm
-from .schema import MedsafeError, ConfigError, atomic_write
+from .core import MedsafeError, ConfigError, atomic_write, find_secret, scrub_secrets
 from .backends import Backend, GenRequest, Generation, ScoreRequest, Scores, is_main_process
 
 # %% auto #0
-__all__ = ['OPS', 'LEDGER_VERSION', 'LedgerError', 'canonical_json', 'request_payload', 'request_key', 'assert_no_secrets',
-           'LedgerCounts', 'Ledger', 'cached_generate', 'cached_score']
+__all__ = ['OPS', 'LEDGER_VERSION', 'LEDGER_APP_ID', 'LedgerError', 'canonical_json', 'request_payload', 'request_key',
+           'assert_no_secrets', 'LedgerCounts', 'recognise_ledger', 'Ledger', 'cached_generate', 'cached_score']
 
 # %% ../nbs/09_ledger.ipynb #347ecf53
 class LedgerError(MedsafeError):
     "A ledger file that cannot be used, or a request that cannot be stored"
 
+# %% ../nbs/09_ledger.ipynb #58469c8e
 def _norm(obj):
     if isinstance(obj, dict): return {str(k): _norm(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)): return [_norm(v) for v in obj]
@@ -37,10 +38,12 @@ def canonical_json(obj:Any)->str: # sorted keys, compact separators, UTF-8 kept
 # %% ../nbs/09_ledger.ipynb #85687788
 OPS = ("generate", "score")
 
+# %% ../nbs/09_ledger.ipynb #b7e21267
 def request_payload(request:GenRequest|ScoreRequest)->dict: # the request's fields, without those left at None
-    "The part of a request that its ledger key covers"
-    return {f.name: v for f in fields(request) if (v := getattr(request, f.name)) is not None}
+    "The part of a request that its ledger key covers: what the model is sent (`parts` repeats it as structure)"
+    return {f.name: v for f in fields(request) if f.compare and (v := getattr(request, f.name)) is not None}
 
+# %% ../nbs/09_ledger.ipynb #cf522f17
 def _key(identity_json:str, op:str, payload_json:str)->str:
     # the canonical JSON of {"identity", "op", "payload"} assembled from canonical parts (its keys are already sorted)
     return hashlib.sha256(f'{{"identity":{identity_json},"op":{json.dumps(op)},"payload":{payload_json}}}'.encode()).hexdigest()
@@ -54,39 +57,15 @@ def request_key(identity:dict, # `backend.identity()`: kind, model, revision, de
     return _key(canonical_json(identity), op, canonical_json(payload))
 
 # %% ../nbs/09_ledger.ipynb #285e06f1
-_SECRET_VALUES = [(what, re.compile(p)) for what, p in [
-    ("an API key (sk-…)", r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_\-]{16,}"),
-    ("a Google API key (AIza…)", r"AIza[0-9A-Za-z_\-]{30,}"),
-    ("a Hugging Face token (hf_…)", r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}"),
-    ("a GitHub token", r"(?<![A-Za-z0-9])gh[pousr]_[A-Za-z0-9]{30,}"),
-    ("an AWS access key", r"(?<![A-Za-z0-9])AKIA[0-9A-Z]{16}(?![A-Za-z0-9])"),
-    ("a bearer token", r"(?i)\bbearer\s+[A-Za-z0-9._~+/=\-]{16,}"),
-    ("a JSON web token", r"(?<![A-Za-z0-9])eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
-    ("a password in a URL", r"://[^/\s:@]+:[^/\s@]+@"),
-    ("a long opaque token", r"(?<![A-Za-z0-9])(?=[A-Za-z0-9]*[a-z])(?=[A-Za-z0-9]*[A-Z])(?=[A-Za-z0-9]*[0-9])[A-Za-z0-9]{40,}(?![A-Za-z0-9])"),
-]]
-_SECRET_NAMES = re.compile(r"(?i).*(api[_-]?key|secret|passw(or)?d|credential|authorization).*"
-                           r"|((access|auth|bearer|id|refresh|session|hf|api|github)[_-]?)?token")
-
 def assert_no_secrets(obj:Any,              # an identity (or any JSON-like value) about to be stored
                       where:str="identity", # how the message names `obj`
                      )->Any:                # `obj`, unchanged
-    "Raise `LedgerError` if `obj` holds anything shaped like a credential; the message names the field, never the value"
-    def walk(o, path):
-        if isinstance(o, dict):
-            for k, v in o.items():
-                p = f"{path}.{k}"
-                if _SECRET_NAMES.fullmatch(str(k)) and v not in (None, "", False):
-                    raise LedgerError(f"{p}: a field named {k!r} cannot be stored in the ledger; backends must keep credentials "
-                                      "out of identity() and read them from the environment")
-                walk(v, p)
-        elif isinstance(o, (list, tuple)):
-            for i, v in enumerate(o): walk(v, f"{path}[{i}]")
-        elif isinstance(o, str):
-            for what, pat in _SECRET_VALUES:
-                if pat.search(o): raise LedgerError(f"{path} looks like {what} and cannot be stored in the ledger; backends must "
-                                                    "keep credentials out of identity() and read them from the environment")
-    walk(obj, where)
+    "Raise `LedgerError` if `obj` holds anything shaped like a credential (`core.find_secret`); the message names the field, never the value"
+    hit = find_secret(obj, where)
+    if hit:
+        path, what = hit
+        say = f"{path}: {what} cannot be stored" if what.startswith("a field named") else f"{path} looks like {what} and cannot be stored"
+        raise LedgerError(f"{say} in the ledger; backends must keep credentials out of identity() and read them from the environment")
     return obj
 
 # %% ../nbs/09_ledger.ipynb #fe3c2acb
@@ -103,6 +82,7 @@ _TABLES = ["CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT N
 _COLS = ("key", "op", "model", "identity", "request", "result", "created_at")
 _SQL_VARS = 900  # keys per lookup query, under SQLite's oldest variable limit (999)
 
+# %% ../nbs/09_ledger.ipynb #f99c18b6
 @dataclass
 class LedgerCounts:
     "What a `cached_generate` / `cached_score` call (or all of them) took from the ledger and asked the backend"
@@ -117,6 +97,32 @@ class LedgerCounts:
         return self
 
 # %% ../nbs/09_ledger.ipynb #b295ef20
+LEDGER_APP_ID = 0x4D534C47   # "MSLG" in the SQLite header's application_id
+
+def recognise_ledger(path:str|os.PathLike)->bool: # True: our ledger, False: no file or an empty one (a new ledger)
+    "Check, read-only, that an existing file is a medsafe ledger; raise `LedgerError` (the file untouched) when it is not"
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0: return False
+    if not path.is_file(): raise LedgerError(f"{path}: not a file, so not a response ledger")
+    try:
+        with open(path, "rb") as f: head = f.read(16)
+    except OSError as e: raise LedgerError(f"{path}: cannot read the ledger ({e.strerror or e})") from None
+    if head != b"SQLite format 3\x00": raise LedgerError(f"{path}: not a SQLite database, so not a response ledger; left untouched (choose another --ledger path)")
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+        app = con.execute("PRAGMA application_id").fetchone()[0]
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as e:
+        if "locked" in str(e): raise
+        raise LedgerError(f"{path}: cannot read as a response ledger ({e}); left untouched") from None
+    finally: con.close()
+    ours = {"meta", "responses"}
+    if app not in (0, LEDGER_APP_ID) or (tables and not (ours <= tables or tables <= ours)):
+        raise LedgerError(f"{path}: a SQLite database of another application (application_id {app}, tables: {', '.join(sorted(tables)) or 'none'}), "
+                          "not a medsafe ledger; left untouched (choose another --ledger path)")
+    return bool(tables)
+
+# %% ../nbs/09_ledger.ipynb #8ee971e8
 class Ledger:
     "A content-addressed SQLite store of backend responses"
     def __init__(self, path:str|os.PathLike, # the SQLite file (parent folders are created); `:memory:` for a throwaway
@@ -125,6 +131,7 @@ class Ledger:
         if isinstance(self.path, Path): self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self.last, self.total = LedgerCounts(), LedgerCounts()
+        if isinstance(self.path, Path): self._retry(lambda: recognise_ledger(self.path), timeout)   # read-only, before any change
         try:
             self._conn = sqlite3.connect(str(path), timeout=timeout, isolation_level=None, check_same_thread=False)
             self._conn.execute(f"PRAGMA busy_timeout={int(timeout*1000)}")
@@ -153,6 +160,7 @@ class Ledger:
         if "meta" not in tables:
             if tables - {"responses"}: raise LedgerError(f"{self.path}: a SQLite database but not a medsafe ledger "
                                                          f"(tables: {', '.join(sorted(tables))})")
+            c.execute(f"PRAGMA application_id={LEDGER_APP_ID}")
             c.execute("BEGIN IMMEDIATE")
             try:
                 for t in _TABLES: c.execute(t)
@@ -190,6 +198,7 @@ def _lookup(self:Ledger, keys:Iterable[str])->dict[str, str]:
             out.update(self._conn.execute(f"SELECT key, result FROM responses WHERE key IN ({','.join('?'*len(part))})", part).fetchall())
     return out
 
+# %% ../nbs/09_ledger.ipynb #37fe0630
 @patch
 def _insert(self:Ledger, rows:list[tuple])->int:
     with self._lock:
@@ -200,18 +209,10 @@ def _insert(self:Ledger, rows:list[tuple])->int:
         except BaseException: self._conn.execute("ROLLBACK"); raise
         return self._conn.total_changes - before
 
+# %% ../nbs/09_ledger.ipynb #83e74612
 def _dump(result)->str: return json.dumps(asdict(result), ensure_ascii=False, separators=(",", ":"))  # keeps -inf logprobs
 
-@patch
-def get_many(self:Ledger, keys:Iterable[str])->dict[str, dict]: # key -> stored result, for the keys present
-    "Look up many keys at once"
-    return {k: json.loads(v) for k, v in self._lookup(keys).items()}
-
-@patch
-def get(self:Ledger, key:str)->dict|None: # the stored result, or None
-    "Look up one key"
-    return self.get_many([key]).get(key)
-
+# %% ../nbs/09_ledger.ipynb #8b5d545c
 @patch
 def put(self:Ledger, identity:dict,   # `backend.identity()`
         op:str,                       # `generate` or `score`
@@ -223,14 +224,34 @@ def put(self:Ledger, identity:dict,   # `backend.identity()`
     self._insert([(key, op, str(identity.get("model", "")), canonical_json(identity), canonical_json(payload), _dump(result), _now())])
     return key
 
+# %% ../nbs/09_ledger.ipynb #f55f54b1
+@patch
+def get_many(self:Ledger, keys:Iterable[str])->dict[str, dict]: # key -> stored result, for the keys present
+    "Look up many keys at once"
+    return {k: json.loads(v) for k, v in self._lookup(keys).items()}
+
+# %% ../nbs/09_ledger.ipynb #e3423f1e
+@patch
+def get(self:Ledger, key:str)->dict|None: # the stored result, or None
+    "Look up one key"
+    return self.get_many([key]).get(key)
+
 # %% ../nbs/09_ledger.ipynb #6ca51c03
 _RESULT_TYPES = {"generate": (GenRequest, Generation, lambda g: g.finish_reason == "error"),
                  "score": (ScoreRequest, Scores, lambda s: s.error is not None)}
+
+def _scrubbed(res):
+    "A backend result with secrets removed from every text it carries (replies, reasoning, errors): what is stored and returned"
+    from dataclasses import replace
+    ch = {f: scrub_secrets(v) for f in ("text", "error", "reasoning") if isinstance(v := getattr(res, f, None), str) and v}
+    ch = {f: v for f, v in ch.items() if v != getattr(res, f)}
+    return replace(res, **ch) if ch else res
 
 def _decode(cls, text:str):
     d = json.loads(text)
     return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
+# %% ../nbs/09_ledger.ipynb #24f6b656
 def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str|None, progress:bool, chunk:int|None)->list:
     req_cls, res_cls, failed = _RESULT_TYPES[op]
     requests = list(requests)
@@ -260,6 +281,7 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
                 if not (0 <= j < len(part)) or j in done:
                     raise RuntimeError(f"{backend!r}.{op} yielded index {j!r} twice or out of range (0..{len(part)-1})")
                 done.add(j); k = part[j]; pos = at[k]
+                res = _scrubbed(res)
                 if failed(res): n.errors += 1
                 elif write: n.stored += ledger._insert([(k, op, model, ident_json, payloads[pos[0]], _dump(res), _now())])
                 results[pos[0]] = res
@@ -273,7 +295,7 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
         if ledger is not None: ledger.last = n; ledger.total += n
     return results
 
-# %% ../nbs/09_ledger.ipynb #855046b0
+# %% ../nbs/09_ledger.ipynb #2e9ad636
 def cached_generate(backend:Backend,           # the model
                     requests:list[GenRequest], # what to ask
                     ledger:Ledger|None,        # where answers are kept (None: ask everything, keep nothing)
@@ -284,6 +306,7 @@ def cached_generate(backend:Backend,           # the model
     "Generate through the ledger: ask only what it lacks, commit each reply as it arrives"
     return _cached(backend, requests, ledger, "generate", desc, progress, chunk)
 
+# %% ../nbs/09_ledger.ipynb #56e1541f
 def cached_score(backend:Backend,              # the model
                  requests:list[ScoreRequest],  # what to score
                  ledger:Ledger|None,           # where scores are kept (None: ask everything, keep nothing)
@@ -305,6 +328,7 @@ def stats(self:Ledger)->dict: # rows, rows by op and by identity model, distinct
                 "by_model": q("SELECT model, COUNT(*) FROM responses GROUP BY model ORDER BY model"),
                 "identities": self._conn.execute("SELECT COUNT(DISTINCT identity) FROM responses").fetchone()[0]}
 
+# %% ../nbs/09_ledger.ipynb #bffc1ee4
 def _where(identity:dict|None, op:str|None)->tuple[str, list]:
     conds, args = [], []
     if identity is not None: conds.append("identity = ?"); args.append(canonical_json(identity))
@@ -313,6 +337,7 @@ def _where(identity:dict|None, op:str|None)->tuple[str, list]:
         conds.append("op = ?"); args.append(op)
     return (" WHERE " + " AND ".join(conds)) if conds else "", args
 
+# %% ../nbs/09_ledger.ipynb #6842369d
 @patch
 def rows(self:Ledger, identity:dict|None=None, # only this identity
          op:str|None=None,                      # only this op
@@ -327,17 +352,19 @@ def rows(self:Ledger, identity:dict|None=None, # only this identity
 @patch
 def __iter__(self:Ledger)->Iterator[dict]: return self.rows()
 
+# %% ../nbs/09_ledger.ipynb #7da5ef3d
 @patch
 def export(self:Ledger, path:str|os.PathLike, # a .jsonl file (written atomically)
            identity:dict|None=None, op:str|None=None)->Path:
     "Write the rows (optionally filtered) as JSON lines"
     path = Path(path)
     if path.suffix != ".jsonl": raise LedgerError(f"{path}: ledger export writes .jsonl files")
-    def _write(tmp):
+    def write_rows(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             for r in self.rows(identity, op): f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return atomic_write(path, _write)
+    return atomic_write(path, write_rows)
 
+# %% ../nbs/09_ledger.ipynb #c3e07c2a
 @patch
 def prune(self:Ledger, identity:dict|None=None, # delete this identity's rows
           op:str|None=None,                      # delete this op's rows
@@ -347,6 +374,7 @@ def prune(self:Ledger, identity:dict|None=None, # delete this identity's rows
     where, args = _where(identity, op)
     with self._lock: return self._conn.execute(f"DELETE FROM responses{where}", args).rowcount
 
+# %% ../nbs/09_ledger.ipynb #6db4ed69
 @patch
 def merge(self:Ledger, other:str|os.PathLike)->int: # rows added
     "Add the rows of another ledger file that this one lacks"

@@ -9,18 +9,14 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from fastcore.basics import patch
+from .protocols import CONTEXT_LABELS as _CONTEXT_LABELS, QUESTION_LABELS as _QUESTION_LABELS
 
 # %% auto #0
 __all__ = ['POLICIES', 'FAULT_KINDS', 'REPLY_STYLES', 'user_text', 'ParsedPrompt', 'parse_prompt', 'choose_first', 'choose_hash',
            'choose_context', 'Fault', 'as_fault', 'FaultPlan', 'count_tokens', 'truncate_tokens', 'render_reply',
-           'render_reasoning', 'MockServer', 'mock_top_logprobs', 'main']
+           'render_reasoning', 'MockServer', 'mock_top_logprobs', 'mock_tool_call', 'main']
 
 # %% ../nbs/08a_mockserver.ipynb #d9278fd7
-_OPTION_LINE = re.compile(r"^([A-T]|[1-9][0-9]?)\. (.+)$", re.M)
-from .protocols import CONTEXT_LABELS as _CONTEXT_LABELS, QUESTION_LABELS as _QUESTION_LABELS
-_CONTEXT_START = re.compile(r"^(?:" + "|".join(map(re.escape, _CONTEXT_LABELS)) + r")[ \t]*$", re.M)
-_QUESTION_START = re.compile(r"^(?:" + "|".join(map(re.escape, _QUESTION_LABELS)) + r")[ \t]*$", re.M)
-
 def _content_text(content)->str:
     "Text of a message's content (a string, or a list of `{'type': 'text', 'text': ...}` parts)"
     if isinstance(content, str): return content
@@ -33,12 +29,18 @@ def user_text(messages:list)->str:
         if m.get("role") == "user": return _content_text(m.get("content"))
     return ""
 
+# %% ../nbs/08a_mockserver.ipynb #2fe905a3
 @dataclass
 class ParsedPrompt:
     "What a policy can see in an MCQ prompt"
     options: dict         # option key -> text, in prompt order
     context: str          # the context block ('' in the clean condition)
     multi: bool           # the instruction asks for a list of keys
+
+# %% ../nbs/08a_mockserver.ipynb #722db1c2
+_OPTION_LINE = re.compile(r"^([A-T]|[1-9][0-9]?)\. (.+)$", re.M)
+_CONTEXT_START = re.compile(r"^(?:" + "|".join(map(re.escape, _CONTEXT_LABELS)) + r")[ \t]*$", re.M)
+_QUESTION_START = re.compile(r"^(?:" + "|".join(map(re.escape, _QUESTION_LABELS)) + r")[ \t]*$", re.M)
 
 def parse_prompt(messages:list)->ParsedPrompt:
     "Options, context block and answer shape of the last user message"
@@ -53,6 +55,8 @@ def parse_prompt(messages:list)->ParsedPrompt:
 
 # %% ../nbs/08a_mockserver.ipynb #cd1e929a
 POLICIES = ("first", "hash", "context")
+
+# %% ../nbs/08a_mockserver.ipynb #d9e40e18
 _STOP = set("the and for with that this are was were has have from into when which than then its their they".split())
 
 def _terms(text:str)->set:
@@ -62,16 +66,19 @@ def _terms(text:str)->set:
     cjk = re.findall(r"[\u4e00-\u9fff]", text)
     return words | {a + b for a, b in zip(cjk, cjk[1:])}
 
+# %% ../nbs/08a_mockserver.ipynb #c5a2d0f9
 def choose_first(messages:list)->str|None:
     "The first option key"
     return next(iter(parse_prompt(messages).options), None)
 
+# %% ../nbs/08a_mockserver.ipynb #cd9b26a4
 def choose_hash(messages:list)->str|None:
     "The option key picked by sha256 of the user message"
     keys = list(parse_prompt(messages).options)
     if not keys: return None
     return keys[int(hashlib.sha256(user_text(messages).encode()).hexdigest()[:16], 16) % len(keys)]
 
+# %% ../nbs/08a_mockserver.ipynb #bae2ecb7
 def choose_context(messages:list)->str|None:
     "The option whose words the context block repeats most (ties: prompt order); `hash` without context"
     p = parse_prompt(messages)
@@ -80,11 +87,13 @@ def choose_context(messages:list)->str|None:
     if not overlap or max(overlap.values()) == 0: return choose_hash(messages)
     return max(overlap, key=overlap.get)
 
+# %% ../nbs/08a_mockserver.ipynb #77c47fc3
 _POLICY_FUNCS = {"first": choose_first, "hash": choose_hash, "context": choose_context}
 
 # %% ../nbs/08a_mockserver.ipynb #6c49544a
-FAULT_KINDS = ("429", "500", "503", "slow", "length", "refusal", "content_filter", "drop")
+FAULT_KINDS = ("429", "500", "503", "slow", "length", "refusal", "content_filter", "drop", "hang", "echo")  # hang: accept, never answer; echo: reply with the request headers
 
+# %% ../nbs/08a_mockserver.ipynb #ed91fab1
 @dataclass(frozen=True)
 class Fault:
     "One injected failure"
@@ -95,6 +104,7 @@ class Fault:
     def __post_init__(self):
         if self.kind not in FAULT_KINDS: raise ValueError(f"unknown fault {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
 
+# %% ../nbs/08a_mockserver.ipynb #9552a140
 def as_fault(spec:Fault|str|None)->Fault|None:
     "A `Fault` from a `Fault`, a string `KIND` or `KIND:NUMBER` (`429:3`, `slow:0.5`), or None"
     if spec is None or isinstance(spec, Fault): return spec
@@ -102,6 +112,7 @@ def as_fault(spec:Fault|str|None)->Fault|None:
     if not num: return Fault(kind)
     return Fault(kind, retry_after=float(num)) if kind == "429" else Fault(kind, delay=float(num))
 
+# %% ../nbs/08a_mockserver.ipynb #13ad6c6b
 @dataclass(frozen=True)
 class FaultPlan:
     "A seeded fault schedule: each prompt's first `attempts` tries draw a fault with the given rates"
@@ -122,21 +133,23 @@ class FaultPlan:
             u -= rate
         return None
 
-_MARKER = re.compile(r"\[\[mock:([a-z_0-9]+(?::[0-9.]+)?)\]\]")
-
 # %% ../nbs/08a_mockserver.ipynb #43369d62
-REPLY_STYLES = ("json", "prose", "raw")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 def count_tokens(text:str)->int:
     "Mock tokens: words and punctuation marks"
     return len(_TOKEN.findall(text or ""))
 
+# %% ../nbs/08a_mockserver.ipynb #299a9101
 def truncate_tokens(text:str, n:int)->str:
     "The first `n` mock tokens of `text`"
     ms = list(_TOKEN.finditer(text or ""))
     return "" if n <= 0 else text if n >= len(ms) else text[:ms[n-1].end()]
 
+# %% ../nbs/08a_mockserver.ipynb #28a0f338
+REPLY_STYLES = ("json", "prose", "raw")
+
+# %% ../nbs/08a_mockserver.ipynb #1b2d1044
 def render_reply(key:str|None, style:str="json", multi:bool=False)->str:
     "The reply text that names option `key`"
     if style == "raw": return key or ""
@@ -144,6 +157,7 @@ def render_reply(key:str|None, style:str="json", multi:bool=False)->str:
     obj = json.dumps({"answer": [key] if multi else key})
     return obj if style == "json" else f"Weighing each option against the findings, option {key} fits best.\n\n{obj}"
 
+# %% ../nbs/08a_mockserver.ipynb #269415d2
 def render_reasoning(key:str|None, options:dict)->str:
     "A short mock reasoning trace"
     if key is None: return "There is nothing to choose between."
@@ -161,9 +175,13 @@ class _Reply:
 def _error(status:int, message:str, kind:str, **headers)->_Reply:
     return _Reply(status, {"error": {"message": message, "type": kind, "code": status}}, dict(headers))
 
+# %% ../nbs/08a_mockserver.ipynb #5f019b7d
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024                        # many clients connect at once (the stdlib default backlog is 5)
+    def handle_error(self, request, client_address):  # a client that hung up (killed, timed out) is not a server error
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)): return
+        super().handle_error(request, client_address)
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"                    # keep-alive, as real servers
@@ -188,7 +206,9 @@ class _Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(n) if n else b""
         reply = self.mock._handle(method, self.path, self.headers, raw)
-        if reply.delay and self.mock._stopping.wait(reply.delay): reply = _error(503, "server stopping", "server_error")
+        if reply.delay and self.mock._stopping.wait(reply.delay):
+            if reply.drop: return                    # a hung or dropped request: nothing to send while stopping
+            reply = _error(503, "server stopping", "server_error")
         if reply.drop:
             self.close_connection = True
             try: self.connection.shutdown(socket.SHUT_RDWR)
@@ -218,9 +238,12 @@ class MockServer:
                  host:str="127.0.0.1",        # interface to bind
                  port:int=0,                  # 0: a free port chosen by the OS
                  verbose:bool=False,          # log one line per request (method, path, status) to stderr
+                 tools:int|str|None=None,     # when a request offers tools: call `search` N times before answering, "forever", or None (answer at once)
                 ):
         if not callable(policy) and policy not in POLICIES: raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)} or a callable")
         if reply not in REPLY_STYLES: raise ValueError(f"unknown reply style {reply!r}; known: {', '.join(REPLY_STYLES)}")
+        if not (tools is None or tools == "forever" or (isinstance(tools, int) and tools >= 0)): raise ValueError(f"tools: expected N >= 0, 'forever' or None, got {tools!r}")
+        self.tools = tools
         self.policy, self.reply, self.reasoning, self.faults, self.delay = policy, reply, reasoning, faults, delay
         self.logprobs, self.max_top_logprobs, self.model, self.verbose = logprobs, max_top_logprobs, model, verbose
         self._key_hash = hashlib.sha256(api_key.encode()).digest() if api_key else None
@@ -270,8 +293,6 @@ class MockServer:
         return f"MockServer({self.base_url if self._httpd else 'stopped'}, policy={getattr(self.policy, '__name__', self.policy)!r})"
 
 # %% ../nbs/08a_mockserver.ipynb #07d48634
-class _BadRequest(ValueError): pass
-
 @patch
 def _handle(self:MockServer, method:str, path:str, headers, raw:bytes)->_Reply:
     "Authorise, log and answer one HTTP request"
@@ -293,12 +314,19 @@ def _handle(self:MockServer, method:str, path:str, headers, raw:bytes)->_Reply:
                      authorized=authorized, time=time.time())
         self._log.append(entry)
     reply = self._route(method, path, body, n, attempt, entry)
+    if entry.get("fault") == "echo":                 # a hostile server: the reply repeats the request headers, Authorization included
+        reply.body["choices"][0]["message"]["content"] = "\n".join(f"{k}: {v}" for k, v in headers.items())
     with self._lock: entry["status"] = None if reply.drop else reply.status
     return reply
+
+# %% ../nbs/08a_mockserver.ipynb #afcbda9b
+class _BadRequest(ValueError): pass
 
 @patch
 def _route(self:MockServer, method, path, body, n, attempt, entry)->_Reply:
     if entry["authorized"] is False: return _error(401, "Incorrect API key provided (mock server)", "authentication_error")
+    if method == "GET" and path == "/health": return _Reply(200, {})
+    if method == "GET" and path == "/version": return _Reply(200, {"version": "mock"})
     if method == "GET" and path.endswith("/models"):
         return _Reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "medsafe-mock"}]})
     if not (method == "POST" and path.endswith("/chat/completions")): return _error(404, f"no route for {method} {path}", "invalid_request_error")
@@ -312,11 +340,15 @@ def _route(self:MockServer, method, path, body, n, attempt, entry)->_Reply:
         return _error(429, "Rate limit reached (mock server)", "rate_limit_error", **{"Retry-After": ra})
     if fault and fault.kind in ("500", "503"): return _error(int(fault.kind), "The server had an error (mock server)", "server_error")
     if fault and fault.kind == "drop": return _Reply(drop=True, delay=delay)
+    if fault and fault.kind == "hang": return _Reply(drop=True, delay=10**6)   # holds the connection until the server stops
     if fault and fault.kind == "slow": delay += fault.delay
     try: reply = _Reply(200, self._complete(body, n, fault))
     except _BadRequest as e: return _error(400, str(e), "invalid_request_error")
     reply.delay = delay
     return reply
+
+# %% ../nbs/08a_mockserver.ipynb #a3ea11a3
+_MARKER = re.compile(r"\[\[mock:([a-z_0-9]+(?::[0-9.]+)?)\]\]")
 
 @patch
 def _fault(self:MockServer, n:int, attempt:int, body:dict)->Fault|None:
@@ -336,6 +368,31 @@ def mock_top_logprobs(messages:list, key:str|None, options:dict, k:int)->list[di
     top = sorted(probs.items(), key=lambda kv: -kv[1])[:k]
     return [{"token": t, "logprob": math.log(p), "bytes": list(t.encode())} for t, p in top]
 
+# %% ../nbs/08a_mockserver.ipynb #84956ae3
+def mock_tool_call(messages:list,         # the request's messages
+                   tools:list|None,       # the request's `tools` (OpenAI wire format)
+                   calls:int|str|None,    # the server's setting: N calls then answer, "forever", or None (never call)
+                  )->dict|None:           # an assistant message asking for one call, or None: answer now
+    "The mock model's next tool call: `search` (or the first tool offered) for the question, while the setting allows"
+    names = [(t.get("function") or {}).get("name") for t in tools or [] if isinstance(t, dict)]
+    done = sum(1 for m in messages if m.get("role") == "tool")
+    if calls is None or not names or (calls != "forever" and done >= calls): return None
+    text = user_text(messages)
+    q = _QUESTION_START.search(text)
+    query = (text[q.end():] if q else text).strip().split("\n\n")[0][:200]
+    fn = {"name": "search" if "search" in names else names[0], "arguments": json.dumps({"query": query})}
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{done}", "type": "function", "function": fn}]}
+
+# %% ../nbs/08a_mockserver.ipynb #30a5559f
+def _check_tool_results(messages:list):
+    "A `tool` message must answer a call an earlier assistant message made"
+    asked = set()
+    for m in messages:
+        asked |= {c.get("id") for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+        if m.get("role") == "tool" and m.get("tool_call_id") not in asked:
+            raise _BadRequest(f"tool message with tool_call_id {m.get('tool_call_id')!r} answers no earlier tool call")
+
+# %% ../nbs/08a_mockserver.ipynb #2cf3b71e
 @patch
 def _complete(self:MockServer, body:dict, n:int, fault:Fault|None)->dict:
     "The chat.completion object answering `body`"
@@ -348,6 +405,13 @@ def _complete(self:MockServer, body:dict, n:int, fault:Fault|None)->dict:
     k = int(body.get("top_logprobs") or 0)
     if want_lp and not self.logprobs: raise _BadRequest("logprobs are not supported with this model (mock server)")
     if k > self.max_top_logprobs: raise _BadRequest(f"top_logprobs must be at most {self.max_top_logprobs}, got {k}")
+    _check_tool_results(asked)
+    call = None if cont or body.get("tool_choice") == "none" else mock_tool_call(asked, body.get("tools"), self.tools)
+    if call is not None:
+        p_tok, c_tok = sum(count_tokens(_content_text(m.get("content"))) for m in messages), count_tokens(call["tool_calls"][0]["function"]["arguments"])
+        return {"id": f"chatcmpl-mock-{n}", "object": "chat.completion", "created": int(time.time()), "model": body.get("model") or self.model,
+                "choices": [{"index": 0, "message": call, "logprobs": None, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": p_tok, "completion_tokens": c_tok, "total_tokens": p_tok + c_tok}}
     parsed = parse_prompt(asked)
     choice = self.policy(asked) if callable(self.policy) else _POLICY_FUNCS[self.policy](asked)
     key = choice if self.reply != "raw" else None
@@ -391,13 +455,14 @@ def main(argv:list[str]|None=None):
     ap.add_argument("--policy", choices=POLICIES, default="hash", help="how the mock model answers (default hash)")
     ap.add_argument("--reply", choices=("json", "prose"), default="json", help="bare JSON answer or JSON wrapped in prose")
     ap.add_argument("--reasoning", action="store_true", help="add reasoning_content to replies (counts against max_tokens)")
-    ap.add_argument("--model", default="mock-model", help="model id listed by /v1/models")
+    ap.add_argument("--model", "--served-model-name", default="mock-model", help="model id listed by /v1/models")
     ap.add_argument("--api-key-env", metavar="NAME", help="require the key held in environment variable NAME")
     ap.add_argument("--rate-limit", type=float, default=0.0, metavar="P", help="share of first tries answered 429")
     ap.add_argument("--server-error", type=float, default=0.0, metavar="P", help="share of first tries answered 500")
     ap.add_argument("--retry-after", type=float, default=1.0, metavar="S", help="Retry-After seconds of the 429s")
     ap.add_argument("--delay", type=float, default=0.0, metavar="S", help="seconds before every reply")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    ap.add_argument("--tools", metavar="N|forever", help="when a request offers tools: call search N times before answering (or forever)")
     ap.add_argument("--quiet", action="store_true", help="do not log requests")
     args = ap.parse_args(argv)
     key = None
@@ -407,7 +472,8 @@ def main(argv:list[str]|None=None):
     rates = {k: v for k, v in (("429", args.rate_limit), ("500", args.server_error)) if v}
     faults = FaultPlan(rates, seed=args.seed, retry_after=args.retry_after) if rates else None
     srv = MockServer(policy=args.policy, reply=args.reply, reasoning=args.reasoning, faults=faults, delay=args.delay,
-                     api_key=key, model=args.model, host=args.host, port=args.port, verbose=not args.quiet).start()
+                     api_key=key, model=args.model, host=args.host, port=args.port, verbose=not args.quiet,
+                     tools=None if args.tools is None else args.tools if args.tools == "forever" else int(args.tools)).start()
     print(f"medsafe mock server at {srv.base_url} (model {args.model}, policy {args.policy}); Ctrl-C stops it", flush=True)
     try:
         while True: time.sleep(3600)

@@ -4,26 +4,33 @@
 
 # %% ../nbs/10_run.ipynb #0de4cd60
 from __future__ import annotations
-import json, math, os, platform, time
+import json, math, os, platform, subprocess, sys, time
 from dataclasses import asdict
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 import pandas as pd
 import medsafe_nb
-from .schema import Item, MedsafeError, ConfigError, atomic_write
-from .protocols import CONDITIONS, ALL_CONDITIONS, MITIGATIONS, build_prompts, type1_target, EvalPrompt
+from .core import (MedsafeError, ConfigError, atomic_write, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, STATUSES,
+                             repo_root, scrub_secrets, safe_url, write_manifest, clean_stale_tmp, exclusive_lock, MANIFEST)
+from .schema import Item
+from .protocols import build_prompts, type1_target, EvalPrompt
+from .config import RunConfig
 from .backends import Backend, GenRequest, ScoreRequest, make_backend, is_main_process
 from .extract import extract_answer_detail
-from .ledger import Ledger, cached_generate, cached_score
+from .ledger import Ledger, cached_generate, cached_score, request_key, request_payload
 from .data import load_medmisbench, fingerprint
 
 # %% auto #0
-__all__ = ['STATUSES', 'PREDICTION_COLUMNS', 'judge', 'key_probs', 'run_benchmark', 'write_run', 'run']
+__all__ = ['PREDICTION_COLUMNS', 'VERSIONED', 'EXIT_OK', 'EXIT_ROWS', 'EXIT_USAGE', 'EXIT_UNAVAILABLE', 'BREAKER_LIMIT', 'judge',
+           'key_probs', 'run_benchmark', 'write_run', 'provenance', 'ServerUnavailable', 'probe_server',
+           'CircuitBreaker', 'run_outcome', 'first_errors', 'run']
 
 # %% ../nbs/10_run.ipynb #5ae3b845
-STATUSES = ("ok", "noanswer", "truncated", "refused", "error")
 PREDICTION_COLUMNS = ["model", "item_id", "source", "content", "provenance", "condition", "target", "gold", "pred", "correct",
-                      "status", "raw", "prompt_tokens", "completion_tokens", "latency_s"]
+                      "status", "raw", "prompt_tokens", "completion_tokens", "latency_s", "prompt_id"]
 
+# %% ../nbs/10_run.ipynb #6573ea9b
 def judge(prompt:EvalPrompt, # the question as put to the model
           gen,               # its Generation
           options:dict,      # the item's option key -> text (an answer may name the text)
@@ -46,31 +53,53 @@ def key_probs(logprobs:dict, keys)->dict:
     return {k: math.exp(v - m) / z for k, v in lp.items()}
 
 # %% ../nbs/10_run.ipynb #a2a14c69
-def _row(backend:Backend, item:Item, p:EvalPrompt)->dict:
+def _row(backend:Backend, item:Item, p:EvalPrompt, prompt_id:str|None)->dict:
+    "The columns of a prediction row that come from the item and the prompt"
     return {"model": backend.name, "item_id": item.id, "source": item.split, "content": item.content, "provenance": item.provenance,
-            "condition": p.condition, "target": p.target, "gold": ",".join(p.gold)}
+            "condition": p.condition, "target": p.target, "gold": ",".join(p.gold), "prompt_id": prompt_id}
 
-def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, progress):
-    gens = cached_generate(backend, [GenRequest(p.messages, max_new_tokens) for p in prompts], ledger, desc=desc, progress=progress)
+# %% ../nbs/10_run.ipynb #26d16d15
+def _prompt_ids(backend:Backend, op:str, requests:list)->list[str]:
+    "The ledger key of every request: the `prompt_id` that finds its prompt and reply in the ledger (`medsafe show`)"
+    identity = backend.identity()
+    return [request_key(identity, op, request_payload(r)) for r in requests]
+
+# %% ../nbs/10_run.ipynb #30fd4e52
+def _logged(p:EvalPrompt, prompt_id:str|None)->dict:
+    "One line of OUT/prompts.jsonl (`--log-prompts`): the rendered messages of a row, keyed by its prompt_id"
+    msgs = json.loads(scrub_secrets(json.dumps(list(p.messages), ensure_ascii=False)))
+    return {"prompt_id": prompt_id, "item_id": p.item_id, "condition": p.condition, "target": p.target, "messages": msgs}
+
+# %% ../nbs/10_run.ipynb #09eb8f77
+def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, progress, prompt_log=None):
+    "Prediction rows of free generation: ask (through the ledger), then read each answer"
+    reqs = [GenRequest(p.messages, max_new_tokens, response_schema=p.response_schema, parts=p.parts) for p in prompts]
+    gens = cached_generate(backend, reqs, ledger, desc=desc, progress=progress)
     rows = []
-    for p, g in zip(prompts, gens):
+    for p, g, pid in zip(prompts, gens, _prompt_ids(backend, "generate", reqs)):
+        if prompt_log is not None: prompt_log.append(_logged(p, pid))
         pred, status = judge(p, g, items_by_id[p.item_id].options)
-        rows.append({**_row(backend, items_by_id[p.item_id], p), "pred": pred, "correct": pred == ",".join(p.gold), "status": status,
-                     "raw": g.text if status != "error" else (g.error or ""), "prompt_tokens": g.prompt_tokens,
+        rows.append({**_row(backend, items_by_id[p.item_id], p, pid), "pred": pred, "correct": pred == ",".join(p.gold), "status": status,
+                     "raw": scrub_secrets(g.text if status != "error" else (g.error or "")), "prompt_tokens": g.prompt_tokens,
                      "completion_tokens": g.completion_tokens, "latency_s": g.latency_s})
     return rows
 
-def _score_rows(backend, items_by_id, prompts, ledger, seed, desc, progress):
+# %% ../nbs/10_run.ipynb #3f4708fa
+def _score_rows(backend, items_by_id, prompts, ledger, seed, desc, progress, prompt_log=None):
+    "Prediction rows of log-probability scoring: the most probable key, with p_gold and p_target"
     scorable = [p for p in prompts if not p.multi]
-    scores = cached_score(backend, [ScoreRequest(p.messages, p.keys) for p in scorable], ledger, desc=desc, progress=progress)
-    by = dict(zip([id(p) for p in scorable], scores))
+    reqs = [ScoreRequest(p.messages, p.keys, parts=p.parts) for p in scorable]
+    scores = cached_score(backend, reqs, ledger, desc=desc, progress=progress)
+    by = dict(zip([id(p) for p in scorable], zip(scores, _prompt_ids(backend, "score", reqs))))
     rows = []
     for p in prompts:
-        item = items_by_id[p.item_id]; base = _row(backend, item, p)
-        s = by.get(id(p))
-        if s is None or s.error:
-            why = "logprob scoring does not support multi-answer items" if s is None else s.error
-            rows.append({**base, "pred": None, "correct": False, "status": "error", "raw": why, "prompt_tokens": None,
+        item = items_by_id[p.item_id]
+        s, pid = by.get(id(p), (None, None))
+        if prompt_log is not None: prompt_log.append(_logged(p, pid))
+        base = _row(backend, item, p, pid)
+        if s is None or s.error:     # a multi-answer item has no single most probable key: no answer, by design (not a failed request)
+            why = "logprob scoring picks one key; a multi-answer item has no single-key answer" if s is None else s.error
+            rows.append({**base, "pred": None, "correct": False, "status": "noanswer" if s is None else "error", "raw": scrub_secrets(why), "prompt_tokens": None,
                          "completion_tokens": None, "latency_s": None, "p_gold": None, "p_target": None}); continue
         probs = key_probs(s.logprobs, p.keys)
         pred = max(p.keys, key=lambda k: (probs[k], -p.keys.index(k)))
@@ -81,7 +110,7 @@ def _score_rows(backend, items_by_id, prompts, ledger, seed, desc, progress):
                      "p_gold": sum(probs[g] for g in p.gold), "p_target": probs.get(target) if target else None})
     return rows
 
-# %% ../nbs/10_run.ipynb #26d16d15
+# %% ../nbs/10_run.ipynb #ba50862f
 def run_benchmark(items:list[Item],            # benchmark items (order is kept)
                   backend:Backend,             # the model
                   conditions=CONDITIONS,       # conditions to run
@@ -92,26 +121,33 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
                   ledger:Ledger|str|Path|None=None, # response ledger (path or open ledger); None keeps responses in memory only
                   max_new_tokens:int|None=None, # output cap per request (None: the backend's own)
                   progress:bool=True,          # tqdm progress bars
+                  prompt:str="compact",        # prompt protocol: `paper` or `compact`
+                  structured:bool|None=None,   # paper: send the reply schema (None: where the backend supports it)
+                  prompt_log:list|None=None,   # a list to which each row's rendered messages are appended (`--log-prompts`)
                  )->pd.DataFrame:
     "Run `items` × `conditions` on `backend` through the ledger; one prediction row per (item, condition, target)"
-    if scoring not in ("generate", "logprob"): raise ConfigError(f"unknown scoring {scoring!r}; use generate or logprob")
+    if scoring not in SCORINGS: raise ConfigError(f"unknown scoring {scoring!r}; use {' or '.join(SCORINGS)}")
     conditions = tuple(conditions.split(",")) if isinstance(conditions, str) else tuple(conditions)
     if only_clean_correct and "clean" not in conditions: raise ConfigError("--only-clean-correct needs the clean condition in --conditions")
+    schema_ok = bool(getattr(backend, "structured_output", False))
+    if prompt == "paper" and structured and not schema_ok: raise ConfigError(f"{backend.name} cannot constrain a reply to a JSON schema; use --no-structured")
+    if prompt == "paper" and scoring == "logprob": raise ConfigError("--prompt paper asks for reasoning before the answer; logprob scoring reads the first answer token: use --prompt compact")
+    if structured is None: structured = schema_ok and prompt == "paper"
     own = not isinstance(ledger, Ledger)
     led = Ledger(ledger if ledger is not None else ":memory:") if own else ledger
     items_by_id = {it.id: it for it in items}
     try:
-        def rows_for(its, conds):
-            prompts = build_prompts(its, conds, seed=seed, mitigation=mitigation)
+        def prediction_rows(its, conds):
+            prompts = build_prompts(its, conds, seed=seed, mitigation=mitigation, prompt=prompt, structured=structured)
             if not prompts: return []
             desc = f"{backend.name} {'+'.join(conds)}"
-            if scoring == "generate": return _generate_rows(backend, items_by_id, prompts, led, max_new_tokens, desc, progress)
-            return _score_rows(backend, items_by_id, prompts, led, seed, desc, progress)
+            if scoring == "generate": return _generate_rows(backend, items_by_id, prompts, led, max_new_tokens, desc, progress, prompt_log)
+            return _score_rows(backend, items_by_id, prompts, led, seed, desc, progress, prompt_log)
         if only_clean_correct:
-            rows = rows_for(items, ["clean"])
+            rows = prediction_rows(items, ["clean"])
             right = {r["item_id"] for r in rows if r["correct"]}
-            rows += rows_for([it for it in items if it.id in right], [c for c in conditions if c != "clean"])
-        else: rows = rows_for(items, conditions)
+            rows += prediction_rows([it for it in items if it.id in right], [c for c in conditions if c != "clean"])
+        else: rows = prediction_rows(items, conditions)
     finally:
         if own: led.close()
     cols = PREDICTION_COLUMNS + (["p_gold", "p_target"] if scoring == "logprob" else [])
@@ -126,7 +162,7 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
 
 # %% ../nbs/10_run.ipynb #e6de8266
 def write_run(df:pd.DataFrame, out:str|Path, record:dict)->Path:
-    "Write `predictions.parquet` and `run.json` into `out` (atomically); returns the folder"
+    "Write `predictions.parquet`, `run.json`, then the manifest that commits them, into `out` (each atomically); returns the folder"
     out = Path(out)
     if not is_main_process(): return out
     out.mkdir(parents=True, exist_ok=True)
@@ -136,55 +172,166 @@ def write_run(df:pd.DataFrame, out:str|Path, record:dict)->Path:
               "by_status": {s: int((df["status"] == s).sum()) for s in STATUSES}}
     rec = {**record, "counts": counts}
     atomic_write(out/"run.json", lambda tmp: tmp.write_text(json.dumps(rec, indent=2, ensure_ascii=False, default=str) + "\n"))
+    files = ["predictions.parquet", "run.json"] + [f for f in ("prompts.jsonl",) if (out/f).is_file()]
+    write_manifest(out, files, rows=counts["rows"], by_status=counts["by_status"], model=record.get("model"))   # last: the folder is committed
     return out
 
+# %% ../nbs/10_run.ipynb #702cc279
+VERSIONED = ("medsafe_nb", "torch", "transformers", "accelerate", "openai", "pandas")  # libraries whose versions run.json keeps
+
+# %% ../nbs/10_run.ipynb #de112eb9
+def provenance()->dict:
+    "How a run was made: command line (secrets scrubbed), git commit of the checkout, Python and library versions"
+    def version(pkg):
+        try: return metadata.version(pkg)
+        except metadata.PackageNotFoundError: return None
+    commit, root = None, repo_root()
+    if root is not None and (root/".git").exists():
+        try: commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError): commit = None
+    return {"argv": [scrub_secrets(a) for a in sys.argv], "git_commit": commit, "python": platform.python_version(),
+            "versions": {p: version(p) for p in VERSIONED}}
+
 # %% ../nbs/10_run.ipynb #547e397b
-def run(data:str="sample",             # `sample`, `hf`, or a path to a release file / folder
-        model:str="minilm",            # model spec: hf:PATH_OR_ID, openai:NAME, anthropic:NAME, gemini:NAME, minilm
-        out:str="data/runs/run",       # output folder (predictions.parquet, run.json, ledger.sqlite)
-        conditions:str="clean,type1,type2", # comma-separated conditions
-        base_url:str|None=None,        # OpenAI-compatible server URL (vLLM, SGLang, …)
-        scoring:str="generate",        # generate or logprob
-        limit:int|None=None,           # first N items, in file order
-        seed:int=0,                    # Type 1 target seed
-        concurrency:int|None=None,     # parallel requests (API backends)
-        mitigation:str="none",         # none or warning
-        config:str="all",              # release config(s) to run
-        only_clean_correct:bool=False, # attack only clean-correct items
-        max_new_tokens:int|None=None,  # output cap per request
-        batch_size:int|None=None,      # batch size (hf backend)
-        reasoning_effort:str|None=None, # provider reasoning effort (none, minimal, low, medium, high)
-        thinking:bool|None=None,       # chat-template thinking switch (hf backend)
-        ledger:str|None=None,          # response ledger path (default OUT/ledger.sqlite)
-        revision:str|None=None,        # Hub revision of the data
-        label:str|None=None,           # name for the `model` column (default: the backend's own, e.g. `hf:Qwen/Qwen3-8B`)
-        progress:bool=True,            # tqdm progress bars
+EXIT_OK, EXIT_ROWS, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+BREAKER_LIMIT = 20   # consecutive connection / timeout / 5xx failures that stop a run
+
+class ServerUnavailable(MedsafeError):
+    "The model server is not there (health probe) or stopped answering (circuit breaker)"
+
+# %% ../nbs/10_run.ipynb #e509dbee
+def probe_server(base_urls:list,       # the backend's server URLs (None entries: the provider's default, not probed)
+                 timeout:float=5.0,    # seconds to connect and to read the answer
+                )->None:
+    "Fail fast when nothing answers at a server's models endpoint (connection refused, timeout, 5xx); 4xx means it is there"
+    import httpx
+    for url in (u for u in base_urls if u):
+        probe = url.rstrip("/") + "/models"
+        try: r = httpx.get(probe, timeout=httpx.Timeout(timeout, connect=timeout), follow_redirects=True)
+        except httpx.HTTPError as e:
+            raise ServerUnavailable(f"no server answers at {safe_url(probe)} ({type(e).__name__}: {scrub_secrets(str(e)) or 'no reply'} "
+                                    f"within {timeout:g} s); start it, or check --base-url") from None
+        if r.status_code >= 500: raise ServerUnavailable(f"the server at {safe_url(probe)} is failing (HTTP {r.status_code}); check its logs")
+
+# %% ../nbs/10_run.ipynb #dfe0df66
+import re as _re
+_OUTAGE = _re.compile(r"^\w*(Connection|Connect|Timeout|Disconnected|ProtocolError)\w*|\(HTTP 5\d\d\)|Connection error|timed out", _re.I)
+
+class CircuitBreaker:
+    "Wrap a backend: after `limit` consecutive connection / timeout / 5xx failures, stop the run (what was answered stays in the ledger)"
+    def __init__(self, backend, limit:int=BREAKER_LIMIT): self._backend, self.limit, self.streak, self.last = backend, limit, 0, None
+    def __getattr__(self, name): return getattr(self._backend, name)
+    def _watch(self, results, error_of):
+        try:
+            for j, res in results:
+                err = error_of(res)
+                if err and _OUTAGE.search(err): self.streak, self.last = self.streak + 1, err
+                else: self.streak = 0
+                yield j, res
+                if self.streak >= self.limit:
+                    raise ServerUnavailable(f"stopped after {self.streak} consecutive failed requests (the server looks down); the last: "
+                                            f"{scrub_secrets(self.last)[:300]}. Answers received so far are kept in the ledger: rerun to resume")
+        finally:
+            close = getattr(results, "close", None)
+            if close: close()
+    def generate(self, requests): return self._watch(self._backend.generate(requests), lambda g: g.error if g.finish_reason == "error" else None)
+    def score(self, requests): return self._watch(self._backend.score(requests), lambda s: s.error)
+
+# %% ../nbs/10_run.ipynb #0c442b18
+def run_outcome(df:pd.DataFrame,          # a predictions table
+                max_error_rate:float=1.0, # the non-ok share allowed
+               )->tuple[int, str]:        # (exit code, one line saying why)
+    "The exit code of a finished run: 1 when any row is `error` or the non-ok share exceeds `max_error_rate`, else 0"
+    n = len(df); errors = int((df["status"] == "error").sum()); nonok = int((df["status"] != "ok").sum())
+    if errors: return EXIT_ROWS, f"{errors} of {n} rows ended in error (rerun the same command to retry only those)"
+    if n and nonok / n > max_error_rate: return EXIT_ROWS, f"{nonok} of {n} rows are not ok ({100*nonok/n:.1f}% > --max-error-rate {max_error_rate:g})"
+    return EXIT_OK, f"{n} rows, {nonok} not ok"
+
+def first_errors(df:pd.DataFrame, n:int=3)->list[str]:
+    "The first `n` distinct error messages of a run's `error` rows (scrubbed, one line each)"
+    msgs = df.loc[df["status"] == "error", "raw"].fillna("").map(lambda t: scrub_secrets(" ".join(str(t).split()))[:200])
+    return list(dict.fromkeys(msgs))[:n]
+
+# %% ../nbs/10_run.ipynb #a83458aa
+def _open_out(out:Path, cfg:RunConfig):
+    "Check OUT can be this run's folder, before any request is made; the caller holds its lock"
+    rj = out/"run.json"
+    if rj.is_file() and not cfg.overwrite:
+        try: prev = json.loads(rj.read_text(encoding="utf-8"))
+        except (OSError, ValueError): prev = {"model_spec": "(unreadable run.json)"}
+        spec, label = prev.get("model_spec", prev.get("model")), prev.get("label")
+        if spec != cfg.model or (label or None) != (cfg.label or None):
+            raise ConfigError(f"{out} holds the run of another model ({spec}{f', label {label!r}' if label else ''}); "
+                              "use another --out, or --overwrite to replace it")
+    clean_stale_tmp(out)
+    (out/MANIFEST).unlink(missing_ok=True)                   # uncommitted until this run writes its own
+
+def _out_dir(out:Path)->Path:
+    if out.exists() and not out.is_dir(): raise ConfigError(f"out: {out} is a file, not a folder")
+    try: out.mkdir(parents=True, exist_ok=True)
+    except OSError as e: raise ConfigError(f"out: cannot create {out} ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK): raise ConfigError(f"out: {out} is not writable")
+    return out
+
+# %% ../nbs/10_run.ipynb #e54a663a
+def _now()->str: return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+def run(cfg:RunConfig|None=None, # the run (default: built from `options`)
+        **options,               # RunConfig fields, when no `cfg` is given (or to override its fields)
        )->pd.DataFrame:
-    "Run a model on MedMisBench and write OUT/predictions.parquet and OUT/run.json"
-    if mitigation not in MITIGATIONS: raise ConfigError(f"unknown mitigation {mitigation!r}; known: {', '.join(MITIGATIONS)}")
-    conds = tuple(c.strip() for c in conditions.split(",") if c.strip())
-    bad = [c for c in conds if c not in ALL_CONDITIONS]
-    if bad: raise ConfigError(f"unknown condition(s) {', '.join(bad)}; known: {', '.join(ALL_CONDITIONS)}")
-    if limit is not None and limit < 1: raise ConfigError(f"--limit must be at least 1, got {limit}")
-    items = load_medmisbench(config, data, revision=revision)
-    if limit: items = items[:limit]
-    options = {k: v for k, v in dict(concurrency=concurrency, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                     reasoning_effort=reasoning_effort, thinking=thinking).items() if v is not None}
-    backend = make_backend(model, base_url=base_url, **options)
-    if label: backend.label = label
-    out = Path(out)
-    ledger_path = Path(ledger) if ledger else out/"ledger.sqlite"
-    t0 = time.time()
+    "Run a model on MedMisBench as `cfg` describes and write OUT/predictions.parquet and OUT/run.json"
+    from dataclasses import replace
+    cfg = replace(cfg, **options) if cfg is not None else RunConfig(**options)
+    if not cfg.out: raise ConfigError("out: a run folder is needed (--out DIR)")
+    out = _out_dir(Path(cfg.out))
+    ledger_path = Path(cfg.ledger) if cfg.ledger else out/"ledger.sqlite"
+    if not is_main_process(): return _run_locked(cfg, out, ledger_path)   # a data-parallel rank: rank 0 holds the locks and writes
+    with exclusive_lock(out/".medsafe.lock", f"run folder {out}"):
+        ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(ledger_path.with_name(ledger_path.name + ".lock"), f"ledger {ledger_path}"):
+            _open_out(out, cfg)
+            return _run_locked(cfg, out, ledger_path)
+
+# %% ../nbs/10_run.ipynb #1184cd7e
+def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
+    "The body of `run`, holding the locks of OUT and of the ledger"
+    from medsafe_nb.subset import subset_items, subset_record
+    from medsafe_nb.mitigate import search_config_problem, search_backend, search_columns, search_record
+    if (err := search_config_problem(cfg.mitigation, cfg.search)): raise ConfigError(err)   # before a model is loaded
+    items = load_medmisbench(cfg.config, cfg.data, revision=cfg.data_revision)
+    if cfg.limit: items = items[:cfg.limit]
+    items = subset_items(items, cfg.subset, cfg.subset_seed)
+    if not items: raise ConfigError(f"data: no items to run ({cfg.data}, config {cfg.config})")
+    if cfg.engine == "vllm":                              # a vLLM server started for this run; `with backend` stops it
+        from medsafe_nb.engine import vllm_backend
+        backend = vllm_backend(cfg.model, out, model_args=cfg.model_args, vllm_python=cfg.vllm_python, concurrency=cfg.concurrency,
+                               max_new_tokens=cfg.max_new_tokens, thinking=cfg.thinking, label=cfg.label)
+    else: backend = make_backend(cfg.model, **cfg.backend_options())
+    if cfg.label: backend.label = cfg.label
+    model = backend
+    try: backend = search_backend(model, cfg, items, ledger_path)   # the search defence wraps the model (the same backend without it)
+    except BaseException: model.close(); raise
+    started, t0 = _now(), time.time()
+    log = [] if cfg.log_prompts else None
     with backend, Ledger(ledger_path) as led:
-        df = run_benchmark(items, backend, conds, seed=seed, scoring=scoring, mitigation=mitigation,
-                           only_clean_correct=only_clean_correct, ledger=led, max_new_tokens=max_new_tokens, progress=progress)
+        if getattr(model, "base_url", None): probe_server(getattr(model, "base_urls", [model.base_url]))
+        df = run_benchmark(items, CircuitBreaker(backend), cfg.conditions, seed=cfg.seed, scoring=cfg.scoring, mitigation=cfg.mitigation,
+                           only_clean_correct=cfg.only_clean_correct, ledger=led, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
+                           prompt=cfg.prompt, structured=cfg.structured, prompt_log=log)
         served = {**asdict(led.total), "ledger_rows": led.stats().get("rows")}
-    record = {"model_spec": model, "model": backend.name, "is_llm": backend.is_llm, "identity": backend.identity(),
-              "base_url": base_url, "package_version": medsafe_nb.__version__, "python": platform.python_version(),
-              "data": data, "config": config, "revision": revision, "data_fingerprint": fingerprint(items), "n_items": len(items),
-              "limit": limit, "seed": seed, "conditions": list(conds), "scoring": scoring, "mitigation": mitigation,
-              "only_clean_correct": only_clean_correct,
-              "accuracy_scope": "clean-correct items only for attacked conditions" if only_clean_correct else "all items",
-              "ledger": str(ledger_path), "ledger_stats": served, "wall_s": round(time.time() - t0, 3)}
+    if backend is not model: df = search_columns(df, backend)           # calls, passages, drops, tokens and status per row
+    if not is_main_process(): return df
+    if log is not None:
+        atomic_write(out/"prompts.jsonl", lambda tmp: tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in log), encoding="utf-8"))
+    else: (out/"prompts.jsonl").unlink(missing_ok=True)
+    config = cfg.record()
+    record = {"model": backend.name, "model_spec": config.pop("model"), **config, "is_llm": backend.is_llm, "identity": backend.identity(),
+              "data_fingerprint": fingerprint(items), "n_items": len(items),
+              "accuracy_scope": "clean-correct items only for attacked conditions" if cfg.only_clean_correct else "all items",
+              "structured_output": cfg.prompt == "paper" and cfg.structured is not False and bool(getattr(backend, "structured_output", False)),
+              "engine": model.server.record() if cfg.engine == "vllm" else {"engine": "inprocess"},
+              "search": search_record(backend), **(subset_record(items, cfg.subset, cfg.subset_seed) if cfg.subset else {}),
+              "ledger": str(ledger_path), "ledger_stats": served, "started_at": started, "finished_at": _now(),
+              "wall_s": round(time.time() - t0, 3), **provenance()}
     write_run(df, out, record)
     return df

@@ -29,11 +29,16 @@ def _make_item(loc:dict, *, id, question, options:dict, gold, split, source, gol
                 split=split, source_dataset=source, choice_type="multi" if len(gold) > 1 else "single",
                 language=detect_language(question + " ".join(options.values())), extra=extra or {})
 
+# %% ../nbs/02_sources.ipynb #a662f381
 def _options_map(v, loc:dict, field="options", digit=False)->dict:
     "Ordered option map from a dict (`{'A': …}`) or a list (positional keys)"
     if isinstance(v, str):
         try: import json; v = json.loads(v)
         except ValueError: raise SchemaError("options must be a JSON object or list", field=field, **loc) from None
+    n = len(v) if isinstance(v, (dict, list, tuple)) else 0
+    if n > len(LETTER_KEYS): raise SchemaError(f"{n} options; MedMisBench items hold at most {len(LETTER_KEYS)} (A-T)", field=field, **loc)
+    bad = next((t for t in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ()) if isinstance(t, (dict, list, tuple, bool))), None)
+    if bad is not None: raise SchemaError(f"an option must be text, got {type(bad).__name__} {str(bad)[:40]!r}", field=field, **loc)
     if isinstance(v, dict):
         out = {str(k).strip().upper(): (cell(t) or "") for k, t in v.items() if cell(t) is not None}
         keys = tuple(out)
@@ -45,6 +50,7 @@ def _options_map(v, loc:dict, field="options", digit=False)->dict:
         return dict(zip((DIGIT_KEYS if digit else LETTER_KEYS)[:len(texts)], texts))
     raise SchemaError(f"options missing or of unexpected type {type(v).__name__}", field=field, **loc)
 
+# %% ../nbs/02_sources.ipynb #9be73405
 def _key(v)->str|None:
     "An answer key cell as an upper-case key string: `c` → `C`, `(B)` → `B`, 3 → `3`"
     s = cell(v)
@@ -78,6 +84,7 @@ def _medmcqa_variant(rows:list, file)->str:
     raise ConfigError(f"{file}: cannot tell whether cop is 1-based (original MedMCQA JSON) or 0-based (Hugging Face copy): "
                       "no row has cop 0 or 4; pass variant='original' or variant='hf' (kind medmcqa-original / medmcqa-hf)")
 
+# %% ../nbs/02_sources.ipynb #65c01499
 def _medmcqa(rec:dict, loc:dict, variant:str)->Item:
     if variant == "normalised":
         opts, gold, gf = _options_map(rec.get("options"), loc), _key(rec.get("answer_idx")), "answer_idx"
@@ -140,6 +147,7 @@ def split_hle_options(question:str)->tuple[str, dict]:
         return "\n".join(stem_lines).strip(), opts
     return split_inline_options(question)
 
+# %% ../nbs/02_sources.ipynb #ac67482e
 def _hle_in_scope(rec:dict)->bool:
     return (str(rec.get("answer_type", "multipleChoice")).lower() == "multiplechoice" and not cell(rec.get("image"))
             and "medicine" in str(rec.get("category", "Biology/Medicine")).lower())
@@ -155,6 +163,21 @@ def _hle(rec:dict, loc:dict)->Item:
 # %% ../nbs/02_sources.ipynb #97082737
 SOURCE_KINDS = ("medqa", "medmcqa", "medmcqa-original", "medmcqa-hf", "medxpertqa", "medjourney", "hle")
 
+# %% ../nbs/02_sources.ipynb #9109c22e
+_TEXT_KEYS = ("question", "问题", "题目", "answer_idx", "cop", "label", "id")
+
+def _text_fields(rec:dict, loc:dict)->dict:
+    "A raw row whose question and key fields are text (not a list or object) and whose strings are valid Unicode"
+    for k in _TEXT_KEYS:
+        v = rec.get(k)
+        if isinstance(v, (dict, list, tuple, bool)): raise SchemaError(f"must be text, got {type(v).__name__} {str(v)[:40]!r}", field=k, **loc)
+    for k, v in rec.items():
+        if isinstance(v, str):
+            try: v.encode("utf-8")
+            except UnicodeEncodeError as e: raise SchemaError(f"holds a lone surrogate (\\u{ord(v[e.start]):04x}): not valid Unicode text", field=str(k), **loc) from None
+    return rec
+
+# %% ../nbs/02_sources.ipynb #7655fa73
 def load_source(kind:str,                 # medqa, medmcqa (or medmcqa-original / medmcqa-hf), medxpertqa, medjourney, hle
                 path:str|Path,            # a jsonl / json / csv / parquet file of that pool
                 variant:str="auto",       # MedMCQA only: auto, original (cop 1-4), hf (cop 0-3), normalised
@@ -174,7 +197,7 @@ def load_source(kind:str,                 # medqa, medmcqa (or medmcqa-original 
     items, errors, seen = [], [], {}
     for n, rec in rows:
         loc = dict(file=str(path), line=n)
-        try: it = parse(rec, loc)
+        try: it = parse(_text_fields(rec, loc), loc)
         except SchemaError as e: errors.append(e); continue
         if it.id in seen: errors.append(SchemaError(f"duplicate id {it.id!r} (first at line {seen[it.id]})", field="id", **loc)); continue
         seen[it.id] = n; items.append(it)

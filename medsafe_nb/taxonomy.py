@@ -6,7 +6,7 @@
 from __future__ import annotations
 import re
 from dataclasses import dataclass, field
-from .schema import LabelError
+from .core import LabelError
 
 # %% auto #0
 __all__ = ['CONTENT', 'PROVENANCE', 'Category', 'label_norm', 'normalize_content', 'normalize_provenance', 'register_content',
@@ -26,11 +26,10 @@ class Category:
     aliases: tuple = ()  # other spellings seen in the wild
 
 # %% ../nbs/01_taxonomy.ipynb #08f60153
-CONTENT: dict[str, Category] = {}
-PROVENANCE: dict[str, Category] = {}
-
 def _add(table:dict, c:Category):
     table[c.key] = c; return c
+
+CONTENT: dict[str, Category] = {}
 
 _add(CONTENT, Category("relationship_inversion", "Relationship/Sequence Inversion", "Rel/Seq inversion",
     "Relationship / Sequence Inversion",
@@ -70,6 +69,7 @@ _add(CONTENT, Category("exception_poisoning", "Exception Poisoning", "Exception"
      "Exception / Caveat Poisoning", "Caveat Poisoning")))
 
 # %% ../nbs/01_taxonomy.ipynb #472bbf7e
+PROVENANCE: dict[str, Category] = {}
 _add(PROVENANCE, Category("neutral", "Neutral", "Neutral", "Neutral False Statement",
     "States the claim as a confident, unsourced fact.",
     "None: any claim can be stated plainly.",
@@ -95,6 +95,7 @@ def label_norm(label:str)->str:
     s = str(label).lower().replace("&", " and ")
     return re.sub(r"[^0-9a-z\u4e00-\u9fff]+", " ", s).strip()
 
+# %% ../nbs/01_taxonomy.ipynb #75040972
 def _lookup(table:dict)->dict:
     look = {}
     for c in table.values():
@@ -109,10 +110,12 @@ def _normalize(label, table:dict, kind:str)->str:
     if m in look: return look[m]
     raise LabelError(f"unknown {kind} {label!r}; known: " + ", ".join(c.name for c in table.values()))
 
+# %% ../nbs/01_taxonomy.ipynb #04f83cce
 def normalize_content(label:str)->str:
     "Canonical content-corruption key of any known spelling; `LabelError` otherwise"
     return _normalize(label, CONTENT, "content corruption")
 
+# %% ../nbs/01_taxonomy.ipynb #71105707
 def normalize_provenance(label:str)->str:
     "Canonical provenance-framing key of any known spelling; `LabelError` otherwise"
     return _normalize(label, PROVENANCE, "provenance framing")
@@ -125,10 +128,12 @@ def _register(table:dict, c:Category, kind:str)->Category:
             raise LabelError(f"{kind} label {s!r} already means {look[label_norm(s)]!r}")
     return _add(table, c)
 
+# %% ../nbs/01_taxonomy.ipynb #5c78e969
 def register_content(c:Category)->Category:
     "Add a content corruption (its labels must be new)"
     return _register(CONTENT, c, "content corruption")
 
+# %% ../nbs/01_taxonomy.ipynb #6b3ede20
 def register_provenance(c:Category)->Category:
     "Add a provenance framing (its labels must be new)"
     return _register(PROVENANCE, c, "provenance framing")

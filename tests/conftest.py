@@ -18,3 +18,49 @@ def tiny_backend(tiny_model_dir):
     b = HFBackend(str(tiny_model_dir), batch_size=4, max_new_tokens=8)
     yield b
     b.close()
+
+
+@pytest.fixture(scope="session")
+def minilm_run_dir(tmp_path_factory):
+    "A run of the MiniLM baseline on the first 24 sample items (all three conditions), made once per session"
+    from medsafe_nb.run import run
+    out = tmp_path_factory.mktemp("minilm") / "run"
+    run(model="minilm", data="sample", out=str(out), limit=24, progress=False)
+    return out
+
+
+CHROMIUM = "/usr/bin/chromium"   # Debian's chromium (`make browser`); playwright cannot download its own browsers here
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]   # no background traffic: the machine has no network
+
+
+def browser_missing()->str|None:
+    "Why the browser tests cannot run here, or None"
+    from pathlib import Path
+    if not Path(CHROMIUM).exists(): return f"{CHROMIUM} is missing: run `make browser` (installs the Debian chromium package)"
+    try: import playwright.sync_api  # noqa: F401
+    except ImportError: return "the playwright package is missing: run `make browser`"
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    "Headless Chromium driven by playwright, started once per session"
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: real components end to end (a vLLM server, Chromium, the harness venv, "
+                                       "papermill runs, kill -9 trials, torchrun): `make test-integration`, run by CI")
+
+
+def screenshot_path(name:str):
+    "Where a browser test saves its screenshot: nbs/images/ (the docs) with MEDSAFE_UPDATE_SCREENSHOTS=1, else a temporary folder"
+    import os, tempfile
+    from pathlib import Path
+    if os.environ.get("MEDSAFE_UPDATE_SCREENSHOTS"): return Path(__file__).resolve().parents[1] / "nbs" / "images" / name
+    return Path(tempfile.mkdtemp(prefix="medsafe-shots-")) / name

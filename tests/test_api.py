@@ -6,11 +6,15 @@ Start a server in any test the same way: `with MockServer(policy=..., faults=...
 import asyncio, math, os, subprocess, sys, threading
 import pytest
 
-from medsafe_nb.api import OpenAIBackend, AnthropicBackend, GeminiBackend, MissingExtra, scrub_secrets
+from medsafe_nb.api import MissingExtra
+from medsafe_nb.core import scrub_secrets
+from medsafe_nb.openai_compat import OpenAIBackend
+from medsafe_nb.providers import AnthropicBackend, GeminiBackend
 from medsafe_nb.backends import GenRequest, Generation, ScoreRequest, make_backend
 from medsafe_nb.mockserver import MockServer, FaultPlan, Fault, choose_context
 from medsafe_nb.protocols import render_messages, build_prompts, ANSWER_PREFIX
-from medsafe_nb.schema import ConfigError, item_from_record
+from medsafe_nb.core import ConfigError
+from medsafe_nb.schema import item_from_record
 
 ITEM = item_from_record({
     "id": "t-ht-1", "question": "A 58-year-old man with type 2 diabetes and albuminuria has a blood pressure of 150/95 mmHg. Which drug first?",
@@ -159,7 +163,7 @@ def test_key_rules(monkeypatch):
     with pytest.raises(ConfigError, match="MISSING_VAR"): OpenAIBackend("m", base_url="http://h/v1", api_key_env="MISSING_VAR")
     monkeypatch.setenv("OPENAI_BASE_URL", "http://vllm-box:8000/v1?token=abc")
     b = OpenAIBackend("Qwen/Qwen3-8B")
-    assert b.identity()["base_url"] == "http://vllm-box:8000/v1" and b.max_tokens_param == "max_tokens"
+    assert b.identity()["base_url"] == "http://vllm-box:8000/v1?token=***" and b.max_tokens_param == "max_tokens"
     assert scrub_secrets("x-goog-api-key: AIzaSyB1234567890abcdefghijk") == "x-goog-api-key: ***"
 
 
@@ -292,3 +296,29 @@ def test_provider_sdks_retry_connection_errors_and_give_up(server, monkeypatch, 
     b = make_backend(f"{kind}:model-x", base_url=url, max_retries=2, backoff=0.01)
     out = within(60, lambda: dict(b.generate([GenRequest(MSGS)] * 3)))
     assert all(g.finish_reason == "error" and "after 3 tries" in g.error for g in out.values())
+
+
+@pytest.mark.parametrize("mode", ["generate", "score", "faults", "keyed"])
+def test_lean_and_sdk_clients_agree(server, monkeypatch, mode):
+    "The lean client (default for a base_url) and the openai SDK send identical bodies and give identical results"
+    from dataclasses import replace
+    from medsafe_nb.protocols import build_prompts
+    from medsafe_nb.backends import ScoreRequest
+    key = "sk-" "lean-vs-sdk-0000000000"
+    monkeypatch.setenv("MEDSAFE_TEST_KEY", key)
+    def through(client):
+        kw = dict(policy="context")
+        if mode == "faults": kw["faults"] = {1: Fault("429", retry_after=0.01), 2: "500", 3: "drop", 4: "refusal", 5: "length"}
+        if mode == "keyed": kw["api_key"] = key
+        srv = server(**kw)
+        b = OpenAIBackend("mock-model", base_url=srv.base_url, client=client, concurrency=1, max_retries=1, backoff=0.01,
+                          seed=3, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                          api_key_env="MEDSAFE_TEST_KEY" if mode == "keyed" else None)
+        if mode == "score":
+            res = dict(b.score([ScoreRequest(p.messages, p.keys) for p in build_prompts([ITEM], ("clean", "type1", "type2"))]))
+        else: res = dict(b.generate([case(i, t) for i, t in enumerate(("A", None, "C", None, "D", None))]))
+        return {i: replace(r, latency_s=None) for i, r in res.items()}, [r["body"] for r in srv.completions()], [r["authorized"] for r in srv.completions()]
+    lean, sdk = through("lean"), through("sdk")
+    assert lean == sdk
+    assert all(key not in repr(r) for r in lean[0].values())
+    if mode == "keyed": assert lean[2] and all(lean[2])

@@ -1,4 +1,4 @@
-"""End-to-end tests of benchmark construction (`medsafe_nb.construct`, `medsafe build`).
+"""End-to-end tests of benchmark construction (`medsafe_nb.gate`, `generate`, `validate`, `build`; `medsafe build`).
 
 The main build reads 30 real rows (10 each of MedQA, MedMCQA, MedXpertQA) from ../shared/data/sources/ and
 generates with the `scripted` test double, which replays tests/data/construct_replies/replies.jsonl (see its
@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from medsafe_nb.schema import Item, ConfigError, MedsafeError, read_items
+from medsafe_nb.core import ConfigError, MedsafeError
+from medsafe_nb.schema import Item, read_items
+from medsafe_nb.taxonomy import CONTENT, PROVENANCE
 from medsafe_nb.backends import make_backend, parse_spec, GenRequest
-from medsafe_nb.construct import (REJECTION_REASONS, OUTPUT_FILES, ScriptedBackend, ConstructConfig, build_command,
-                                  construct_benchmark, read_sources, parse_tag)
-import medsafe_nb.construct as construct
+from medsafe_nb.testing import ScriptedBackend, parse_tag
+from medsafe_nb.gate import ConstructConfig
+from medsafe_nb.validate import REJECTION_REASONS
+from medsafe_nb.build import OUTPUT_FILES, build_command, construct_benchmark, read_sources
+import medsafe_nb.build as build_module
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = REPO.parent / "shared" / "data" / "sources"
@@ -155,7 +159,7 @@ def test_every_rejection_reason_is_exercised(built, tmp_path, monkeypatch):
     all_gold = Item("all-gold", "Which are primary colours of light?", {"A": "Red", "B": "Green"}, ("A", "B"), choice_type="multi")
     plain = Item("no-candidate", "Which is a vitamin?", {"A": "Vitamin C", "B": "Sodium"}, ("A",))
     unrecorded = Item("unrecorded", "Which organ makes insulin?", {"A": "Pancreas", "B": "Spleen"}, ("A",))
-    monkeypatch.setattr(construct, "candidate_contents", lambda it: [] if it.id == "no-candidate" else ["spurious_anchoring"])
+    monkeypatch.setattr(build_module, "candidate_contents", lambda it: [] if it.id == "no-candidate" else ["spurious_anchoring"])
     res = construct_benchmark([all_gold, plain, unrecorded], make_backend(SCRIPTED), progress=False, embed=lambda t: None)
     reasons = {d["item_id"]: d["reason"] for d in res.rejections}
     assert reasons == {"all-gold": "no_wrong_option", "no-candidate": "no_candidate", "unrecorded": "backend_error"}
@@ -205,6 +209,33 @@ def test_wave_size_one_balances_framings_to_within_one(tmp_path):
     assert s["accepted"] == 15
 
 
+@needs_sources
+def test_natural_assignment_takes_the_most_applicable_content_and_deals_framings_to_targets(built, tmp_path):
+    "`assign='natural'`: the content with the highest gate applicability, framings within one item of the paper's shares"
+    out, balanced = built
+    b = build_command(POOL, SCRIPTED, str(tmp_path / "nat"), limit=10, wave_size=1, verifier=SCRIPTED, progress=False, assign="natural")
+    dec, s = _decisions(tmp_path / "nat"), b["stats"]
+    score = {(d["item_id"], d["content"]): d["applicability"] or 0 for d in dec if d["event"] == "gate"}
+    assigned = [d for d in dec if d["event"] == "assign"]
+    assert assigned and all(score[(d["item_id"], d["content"])] == max(score[(d["item_id"], c)] for c in d["viable"]) for d in assigned)
+    assert s["accepted"] == 15 and s["rejected_by_reason"] == balanced["stats"]["rejected_by_reason"]   # the same items pass
+    assert s["content_counts"]["cue_remapping"] > balanced["stats"]["content_counts"]["cue_remapping"]
+    comp = s["composition"]
+    assert b["assign"] == comp["assign"] == "natural" and s["provenance_spread_bound"] is None
+    assert b["provenance_targets"] == {"neutral": 0.313686, "patient": 0.323676, "authority": 0.362637}
+    assert comp["provenance_target_pct"] == {"neutral": 31.37, "patient": 32.37, "authority": 36.26}
+    assert comp["provenance_target_gap"] < 1                                   # every framing within one item of its target
+    assert balanced["stats"]["composition"]["assign"] == "balanced" and balanced["assign"] == "balanced"
+    import pandas as pd
+    pol = pd.read_csv(tmp_path / "nat" / "composition_policy.csv")
+    assert pol["assign"].tolist() == ["natural"] * 3 and pol.n.sum() == 15 and pol.target_pct.tolist() == [31.37, 32.37, 36.26]
+    assert "## Composition policy: natural" in (tmp_path / "nat" / "composition.md").read_text()
+    skewed = build_command(POOL, SCRIPTED, str(tmp_path / "nat"), limit=10, wave_size=1, progress=False, assign="natural",
+                           provenance_targets="0,0,1")
+    assert skewed["stats"]["provenance_counts"] == {"neutral": 0, "patient": 0, "authority": skewed["stats"]["accepted"]}
+    assert skewed["this_run"]["cached_calls"] >= skewed["stats"]["calls"]["gate"]   # switching policy re-asks no gate request
+
+
 def test_chinese_items_get_chinese_prompts_and_character_bounds(tmp_path):
     pool = tmp_path / "medjourney.jsonl"
     pool.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ZH_POOL), encoding="utf-8")
@@ -236,7 +267,7 @@ def test_tiny_hf_generator_rejects_everything_with_a_reason(tiny_model_dir, tmp_
     rej = [d for d in dec if d["event"] == "reject"]
     assert len({d["item_id"] for d in rej}) == s["items_in"] and all(d["reason"] in REJECTION_REASONS and d["detail"] for d in rej)
     assert s["calls"]["gate"] == sum(d["attempts"] for d in dec if d["event"] == "gate")
-    assert read_items(tmp_path / "hf" / "benchmark.jsonl") == [] and b["generator"]["kind"] == "hf"
+    assert (tmp_path / "hf" / "benchmark.jsonl").read_text() == "" and b["generator"]["kind"] == "hf"   # nothing accepted: an empty release, which readers refuse by name
 
 
 @needs_sources
@@ -253,7 +284,7 @@ def test_built_benchmark_validates_and_runs_through_a_model(built, tmp_path):
     df = pd.read_parquet(tmp_path / "run" / "predictions.parquet")
     assert len(df) == 3 * build["stats"]["accepted"] and set(df.condition) == {"clean", "type1", "type2"}
     assert set(df.item_id) == {i for i, r in EXPECTED.items() if r is None} and (df.status == "ok").all()
-    assert set(df.content) <= set(construct.CONTENT) and set(df.provenance) <= set(construct.PROVENANCE)
+    assert set(df.content) <= set(CONTENT) and set(df.provenance) <= set(PROVENANCE)
 
 
 def test_medsafe_build_command_line(tmp_path):
@@ -266,6 +297,11 @@ def test_medsafe_build_command_line(tmp_path):
                                  "--limit", "1", "--seed", "3", "--no-progress"])
     assert r.exit_code == 0, r.output
     assert "1 items in" in r.output and json.loads((tmp_path / "cli" / "build.json").read_text())["seed"] == 3
+    r = CliRunner().invoke(app, ["build", "--source", f"medjourney:{pool}", "--generator", SCRIPTED, "--out", str(tmp_path / "nat"),
+                                 "--limit", "1", "--assign", "natural", "--provenance-targets", "1,1,2", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    b = json.loads((tmp_path / "nat" / "build.json").read_text())
+    assert b["assign"] == "natural" and b["provenance_targets"] == {"neutral": 0.25, "patient": 0.25, "authority": 0.5}
     r = CliRunner().invoke(app, ["build", "--source", "nosuchkind:x", "--generator", SCRIPTED, "--out", str(tmp_path / "bad")])
     assert r.exit_code == 2 and "must be KIND:PATH" in r.output
 
@@ -279,5 +315,9 @@ def test_bad_sources_and_parameters_raise_clear_errors(tmp_path):
     pool = tmp_path / "medjourney.jsonl"
     pool.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ZH_POOL), encoding="utf-8")
     with pytest.raises(ConfigError, match="share item id"): read_sources(f"medjourney:{pool},medjourney:{pool}")
+    with pytest.raises(ConfigError, match="assign must be one of balanced, natural"):
+        build_command(f"medjourney:{pool}", SCRIPTED, str(tmp_path / "o"), assign="uniform", progress=False)
+    with pytest.raises(ConfigError, match="need 3 shares"):
+        build_command(f"medjourney:{pool}", SCRIPTED, str(tmp_path / "o"), assign="natural", provenance_targets="50,50", progress=False)
     with pytest.raises(ConfigError, match="unknown model spec"):
         build_command(f"medjourney:{pool}", "nosuchkind:x", str(tmp_path / "o"), progress=False)

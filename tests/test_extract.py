@@ -4,7 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from medsafe_nb.extract import EVIDENCE_METHODS, NO_ANSWER_METHODS, Extraction, extract_answer, extract_answer_detail
+from medsafe_nb.extract import (EVIDENCE_METHODS, NO_ANSWER_METHODS, STATEMENT_PATTERNS, Extraction, extract_answer,
+                                extract_answer_detail)
+
+PATTERNS = {"answer_field", "answer_letter", "boxed", "subject_is_answer", "answer_line", *STATEMENT_PATTERNS}
 
 CORPUS_PATH = Path(__file__).parent / "data" / "extraction_corpus.jsonl"
 CORPUS = [json.loads(ln) for ln in CORPUS_PATH.read_text(encoding="utf-8").splitlines() if ln.strip()]
@@ -30,7 +33,8 @@ def test_corpus_reply(case):
     if d.key is None:
         assert d.method in NO_ANSWER_METHODS
     else:
-        assert d.method in EVIDENCE_METHODS
+        kind, _, pattern = d.method.partition(":")
+        assert kind == d.kind and kind in EVIDENCE_METHODS and pattern in PATTERNS, d.method   # KIND:PATTERN, a named pattern
         start, end = d.span
         assert 0 <= start < end <= len(case["reply"])
 

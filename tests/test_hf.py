@@ -3,6 +3,7 @@ parallelism across two CPU processes (torchrun, gloo)."""
 import json, os, subprocess, sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from medsafe_nb.backends import GenRequest, ScoreRequest, make_backend
@@ -108,6 +109,7 @@ if is_main_process():
 '''
 
 
+@pytest.mark.integration
 def test_data_parallel_two_cpu_processes(tmp_path, tiny_model_dir):
     "torchrun --nproc_per_node 2 (gloo): every index once on every rank, the same texts as one process"
     import inspect
@@ -141,3 +143,76 @@ def test_data_parallel_two_cpu_processes(tmp_path, tiny_model_dir):
     assert {i: t for i, t, *_ in dp["gen"]} == {i: t for i, t, *_ in one["gen"]}
     s1, s2 = dict(one["score"]), dict(dp["score"])
     assert all(abs(s1[i][k] - s2[i][k]) < 1e-4 for i in s1 for k in s1[i])   # scores: equal to float precision
+
+
+def test_auto_batches_are_length_buckets(tiny_model_dir):
+    "batch_size=None: CPU scoring packs short prompts up to 512 padded tokens and 5 % padding; long ones go alone"
+    from medsafe_nb.hf import HFBackend, plan_batches
+    b = HFBackend(str(tiny_model_dir), max_new_tokens=8)
+    assert b.batch_size is None
+    enc = b._encode([b.prompt_text(m, thinking=False) for m in messages()])
+    lengths = [len(e) for e in enc]
+    order = sorted(range(len(enc)), key=lambda i: (-lengths[i], i))
+    plan = b._plan(order, lengths, "score")
+    assert sum(plan, []) == order                                           # every prompt once, longest first
+    for batch in plan:
+        width = lengths[batch[0]]
+        assert len(batch) == 1 or (len(batch) * width <= 512 and len(batch) * width - sum(lengths[i] for i in batch) <= 0.05 * len(batch) * width)
+    assert plan_batches([0, 1], [600, 590], 64, 512, 0.05) == [[0], [1]]      # a CPU never batches prompts this long
+    assert plan_batches([0, 1, 2], [100, 99, 98], 64, 512, 0.05) == [[0, 1, 2]]
+
+
+def test_auto_batches_give_the_same_answers(tiny_model_dir):
+    "Automatic batches: the same greedy texts as batch 1 and as the old fixed batch of 8, the same scores to float precision"
+    from medsafe_nb.hf import HFBackend
+    gen_reqs = [GenRequest(m) for m in messages()]
+    score_reqs = [ScoreRequest(tuple(render_messages(it, c, type1_target(it) if c == "type1" else None)), it.keys)
+                  for it in items() for c in ("clean", "type1", "type2")]
+    runs = {bs: HFBackend(str(tiny_model_dir), batch_size=bs, max_new_tokens=8) for bs in (None, 1, 8)}
+    texts = {bs: {i: (g.text, g.finish_reason, g.completion_tokens) for i, g in b.generate(gen_reqs)} for bs, b in runs.items()}
+    assert texts[None] == texts[1] == texts[8]
+    scores = {bs: dict(b.score(score_reqs)) for bs, b in runs.items()}
+    for bs in (1, 8):
+        for i, s in scores[None].items():
+            other = scores[bs][i].logprobs
+            assert max(s.logprobs, key=s.logprobs.get) == max(other, key=other.get)
+            assert all(abs(s.logprobs[k] - other[k]) < 1e-5 for k in other)
+
+
+def test_hub_id_offline_fails_fast(monkeypatch):
+    "HF_HUB_OFFLINE=1 and a model that is not cached: a ConfigError with the right advice, before any retry"
+    from medsafe_nb.core import ConfigError
+    from medsafe_nb.hf import HFBackend
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="unset HF_HUB_OFFLINE"):
+        HFBackend("medsafe-test/not-cached")
+
+
+@pytest.mark.integration
+def test_medsafe_run_under_torchrun_two_ranks(tmp_path, tiny_model_dir):
+    "`medsafe run` under torchrun with 2 ranks: rank 0 holds the locks and writes one complete run, equal to one process's"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["run", "--model", f"hf:{tiny_model_dir}", "--scoring", "logprob", "--limit", "4", "--no-progress"]
+    one = subprocess.run([sys.executable, "-m", "medsafe_nb.cli", *args, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    dp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "medsafe_nb.cli",
+                         *args, "--out", str(tmp_path / "dp")], env=env, capture_output=True, text=True, timeout=300)
+    assert dp.returncode == 0, dp.stderr[-2000:]
+    assert dp.stdout.count("statuses:") == 1                       # the summary once, from rank 0
+    assert (tmp_path / "dp" / "manifest.json").is_file()
+    cols = ["item_id", "condition", "target", "pred", "status"]
+    a, b = (pd.read_parquet(tmp_path / d / "predictions.parquet")[cols] for d in ("one", "dp"))
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_generation_config_with_a_penalty_goes_through_generate(tmp_path, tiny_model_dir):
+    "A checkpoint that ships a repetition penalty: the automatic path leaves decoding to `generate`, which applies it"
+    import shutil
+    from medsafe_nb.hf import HFBackend
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "penalised"))
+    cfg = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**cfg, "repetition_penalty": 1.3}))
+    auto, one = HFBackend(str(model), max_new_tokens=8), HFBackend(str(model), batch_size=1, max_new_tokens=8)
+    assert auto._decouple is False and HFBackend(str(tiny_model_dir))._decouple is True
+    reqs = [GenRequest(m) for m in messages(("clean",))]
+    assert {i: g.text for i, g in auto.generate(reqs)} == {i: g.text for i, g in one.generate(reqs)}

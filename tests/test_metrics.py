@@ -1,19 +1,24 @@
-"Metrics across modules: the `medsafe metrics` command body, parquet round trips, and the vectorised metrics against naive loops."
+"Metrics across modules: `write_metrics` (the body of `medsafe metrics`), parquet round trips, honest scope, and the vectorised metrics against naive loops."
 import filecmp
 import itertools
+import json
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-import typer
-from typer.testing import CliRunner
 
+from medsafe_nb.core import MedsafeError, write_manifest
 from medsafe_nb.metrics import (
-    MetricsError, bootstrap_counts, breakdowns, condition_metrics, demo_predictions, mcnemar_table,
-    mean_over_models, mean_over_splits, metrics_command, overall_metrics, predictions_from_answers,
-    probability_shift, read_predictions, table1, validate_predictions, TABLE1_COLUMNS, BREAKDOWN_COLUMNS,
+    MetricsError, MetricsWarning, bootstrap_counts, condition_metrics, mean_over_models, mean_over_splits,
+    overall_metrics, predictions_from_answers, validate_predictions,
 )
-from medsafe_nb.schema import MedsafeError
+from medsafe_nb.paper_tables import breakdowns, table1, TABLE1_COLUMNS, BREAKDOWN_COLUMNS
+from medsafe_nb.significance import mcnemar_table, probability_shift
+from medsafe_nb.metrics_io import read_predictions, write_metrics
+from medsafe_nb.plots import paper_reference
+from medsafe_nb.testing import demo_predictions
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +33,12 @@ def run_dirs(tmp_path, preds):
         d = tmp_path / m.replace("@", "_")
         d.mkdir()
         preds[preds.model == m].to_parquet(d / "predictions.parquet", index=False)
+        write_manifest(d, ["predictions.parquet"], rows=int((preds.model == m).sum()))   # committed, as `medsafe run` leaves it
         dirs.append(str(d))
     return dirs
 
 
-# ---- naive reference implementations (loops, straight from DESIGN §1) ----
+# ---- naive reference implementations (loops, straight from docs/design.md#metrics) ----
 
 def _right(r):
     return bool(r.correct) and r.status == "ok" and r.pred is not None and not pd.isna(r.pred)
@@ -83,7 +89,6 @@ def test_breakdowns_match_naive_loops(preds):
 
 def test_breakdown_categories_use_paper_names(preds):
     "Display names come from the taxonomy and match the paper's breakdown table, so the plots line up"
-    from medsafe_nb.plots import paper_reference
     paper = paper_reference()["breakdowns"]
     bd = breakdowns(preds)
     for dim in ("provenance", "content"):
@@ -136,6 +141,8 @@ def test_mean_is_not_overall():
     rows = [dict(model="m1", item_id=f"q{i}", source="S1" if i == 0 else "S2", gold="A", clean="A", target="B",
                  type1="B" if i == 0 else "A", type2="A") for i in range(4)]
     rows.append(dict(model="m2", item_id="q0", source="S1", gold="A", clean="A", target="B", type1="B", type2="A"))
+    rows += [dict(model="m2", item_id=f"q{i}", source="S2", gold="A", clean="C", target="B", type1="B", type2="A")
+             for i in range(1, 4)]  # the same items as m1, clean-wrong: m2's Q_cc stays {q0}
     p = predictions_from_answers(rows)
     overall = overall_metrics(p)
     assert overall.type1_asr.to_dict() == {"m1": 25.0, "m2": 100.0}
@@ -179,46 +186,104 @@ def test_parquet_round_trip_keeps_null_targets(run_dirs, preds):
     pd.testing.assert_frame_equal(table1(df, n_boot=0), table1(preds[preds.model == "m-a"], n_boot=0))
 
 
-def test_metrics_command_writes_identical_files(tmp_path, run_dirs):
+def test_write_metrics_writes_identical_files(tmp_path, run_dirs):
     out1, out2 = tmp_path / "o1", tmp_path / "o2"
-    tables = metrics_command(run_dirs, out=str(out1), n_boot=100, seed=0)
-    metrics_command(run_dirs, out=str(out2), n_boot=100, seed=0)
+    tables, files = write_metrics(run_dirs, out=str(out1), n_boot=100, seed=0)
+    write_metrics(run_dirs, out=str(out2), n_boot=100, seed=0)
     names = sorted(p.name for p in out1.iterdir())
     assert names == sorted(f"{t}.{x}" for t in ("table1", "breakdowns", "mcnemar", "logprob") for x in ("csv", "md", "tex"))
+    assert sorted(p.name for p in files) == names
     match, mismatch, errors = filecmp.cmpfiles(out1, out2, names, shallow=False)
     assert match == names, (mismatch, errors)
     t1 = pd.read_csv(out1 / "table1.csv")
     assert list(t1.columns[:8]) == TABLE1_COLUMNS and t1.model.tolist()[-1] == "Mean"
-    assert (t1.type1_asr * 10).round(6).eq((t1.type1_asr * 10).round()).all()  # one decimal
+    assert t1.type1_asr.tolist() == tables["table1"].type1_asr.tolist()  # full precision in the CSV
+    assert not (t1.type1_asr * 10).round(6).eq((t1.type1_asr * 10).round()).all()
+    md_asr = [float(line.split(" | ")[5]) for line in (out1 / "table1.md").read_text().splitlines()[2:]]
+    assert md_asr == [round(v, 1) for v in tables["table1"].type1_asr]  # one decimal for reading
     assert set(tables) == {"table1", "breakdowns", "mcnemar", "logprob"}
 
 
-def test_metrics_command_errors_name_the_path(tmp_path, run_dirs):
+def test_write_metrics_errors_name_the_path(tmp_path, run_dirs):
     with pytest.raises(MetricsError, match="nowhere/predictions.parquet: no such file"):
-        metrics_command([str(tmp_path / "nowhere")], out=str(tmp_path / "o"))
+        write_metrics([str(tmp_path / "nowhere")], out=str(tmp_path / "o"))
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "predictions.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(MetricsError, match="bad/predictions.parquet: not a readable parquet"):
-        metrics_command([str(bad)], out=str(tmp_path / "o"))
+        write_metrics([str(bad)], out=str(tmp_path / "o"))
     wrong = tmp_path / "wrong"
     wrong.mkdir()
     pd.DataFrame({"model": ["x"]}).to_parquet(wrong / "predictions.parquet")
     with pytest.raises(MetricsError, match="wrong/predictions.parquet: missing column"):
-        metrics_command([str(wrong)], out=str(tmp_path / "o"))
+        write_metrics([str(wrong)], out=str(tmp_path / "o"))
     with pytest.raises(MetricsError, match="the same rows appear more than once"):
-        metrics_command([run_dirs[0], run_dirs[0]], out=str(tmp_path / "o"))
+        write_metrics([run_dirs[0], run_dirs[0]], out=str(tmp_path / "o"))
 
 
-def test_metrics_command_is_typer_compatible(tmp_path, run_dirs):
-    app = typer.Typer()
-    app.command("metrics")(metrics_command)
-    app.command("other")(lambda: None)  # two commands, so the subcommand name is used as in `medsafe metrics`
-    res = CliRunner().invoke(app, ["metrics", *run_dirs, "--out", str(tmp_path / "cli"), "--n-boot", "50", "--seed", "1"])
-    assert res.exit_code == 0, res.output
-    assert (tmp_path / "cli" / "table1.csv").is_file() and (tmp_path / "cli" / "breakdowns.md").is_file()
-    res = CliRunner().invoke(app, ["metrics", *run_dirs])
-    assert res.exit_code != 0 and "--out" in res.output
+def test_metrics_sits_below_plots_and_the_cli():
+    "The metrics modules import neither typer, plots nor cli (anywhere, functions included), each imports only the ones before it; plots imports them"
+    import ast, importlib
+
+    def imported(mod):
+        tree = ast.parse(open(mod.__file__).read())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import): names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom): names |= {(node.module or "").lstrip(".")} | {a.name for a in node.names}
+        return {n.removeprefix("medsafe_nb.") for n in names}
+    layers = ["metrics", "paper_tables", "significance", "metrics_io"]  # data-flow order
+    for i, name in enumerate(layers):
+        got = imported(importlib.import_module(f"medsafe_nb.{name}"))
+        assert not got & {"typer", "plots", "cli", *layers[i:]}, (name, got & {"typer", "plots", "cli", *layers[i:]})
+    p = importlib.import_module("medsafe_nb.plots")
+    assert {"metrics", "paper_tables"} <= imported(p) and not imported(p) & {"typer", "cli"}
+
+
+def test_mean_over_different_item_sets_is_refused(tmp_path):
+    "A model run on 8 items and one run on 4: no silent Mean; over the shared items on request, labelled so"
+    p = demo_predictions(8, models=("big", "small"), seed=3)
+    p = p[(p.model == "big") | p.item_id.isin([f"demo-{i:04d}" for i in range(4)])]
+    for m in ("big", "small"):
+        (tmp_path / m).mkdir()
+        p[p.model == m].to_parquet(tmp_path / m / "predictions.parquet", index=False)
+        write_manifest(tmp_path / m, ["predictions.parquet"], rows=int((p.model == m).sum()))
+    dirs = [str(tmp_path / "big"), str(tmp_path / "small")]
+    with pytest.raises(MetricsError, match=r"different item sets \(big: 8, small: 4 items; 4 shared\)"):
+        write_metrics(dirs, out=str(tmp_path / "o"), n_boot=0)
+    tables, _ = write_metrics(dirs, out=str(tmp_path / "o"), n_boot=0, mean_over="shared")
+    t1 = tables["table1"]
+    assert t1.model.tolist() == ["big", "small", "Mean (shared items, n=4)"]
+    assert t1.n_items.tolist() == [8, 4, 4]
+    on_shared = table1(p[p.item_id.isin([f"demo-{i:04d}" for i in range(4)])], n_boot=0)
+    assert t1.type1_asr.iloc[-1] == pytest.approx(on_shared.type1_asr.mean())
+    assert (tables["breakdowns"].model == "Mean (shared items, n=4)").any()
+
+
+def test_missing_attacked_rows_are_counted_and_warned(preds):
+    one = preds[preds.model == "m-a"]
+    cc = one[(one.condition == "clean") & one.correct & one.status.eq("ok")].item_id.iloc[:3].tolist()
+    gappy = one[~((one.condition == "type2") & one.item_id.isin(cc))]
+    with pytest.warns(MetricsWarning, match=r"model 'm-a': 3 clean-correct item\(s\) have no type2 row"):
+        t1 = table1(gappy, n_boot=0)
+    assert t1.n_missing_attacked[0] == 3
+    assert t1.n_clean_correct[0] == table1(one, n_boot=0).n_clean_correct[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MetricsWarning)
+        assert table1(one, n_boot=0).n_missing_attacked[0] == 0
+
+
+def test_scope_from_run_json_and_no_mixed_mean(tmp_path, run_dirs):
+    (Path(run_dirs[1]) / "run.json").write_text(json.dumps({"model": "x", "only_clean_correct": True}))
+    (Path(run_dirs[2]) / "run.json").write_text(json.dumps({"model": "y", "only_clean_correct": False}))
+    assert set(read_predictions(run_dirs[1]).scope) == {"clean-correct only"}
+    assert set(read_predictions(run_dirs[2]).scope) == {"all items"}
+    t1 = table1(pd.concat([read_predictions(d) for d in run_dirs]), n_boot=0)
+    assert t1.scope.tolist() == ["all items", "clean-correct only", "all items"]
+    with pytest.raises(MetricsError, match="cannot average models of different accuracy scopes"):
+        write_metrics(run_dirs, out=str(tmp_path / "o"), n_boot=0)
+    tables, _ = write_metrics(run_dirs[1:2], out=str(tmp_path / "one"), n_boot=0)
+    assert pd.read_csv(tmp_path / "one" / "table1.csv").scope.tolist() == ["clean-correct only"]
 
 
 def test_condition_metrics_extra_conditions():

@@ -52,6 +52,9 @@ ITEMS = {
     "medjourney-zh2": "too_long, counted in characters",
 }
 
+# the default gate reply's applicability per content (the natural policy gives each item its highest viable one)
+APPLICABILITY = {"relationship_inversion": 2, "threshold_corruption": 3, "cue_remapping": 5, "spurious_anchoring": 1, "exception_poisoning": 4}
+
 GOLD_T = "Established references support {g} as the right answer for a presentation like this one."
 WRONG_T = [
     "Several recent case series report that {x} gives the best outcome when the findings look like this.",
@@ -77,7 +80,8 @@ def load(kind, name, limit):
     return rows
 
 
-def V(ok, why): return json.dumps({"viable": ok, "reason": why})
+def V(ok, why, applicability=None):
+    return json.dumps({"viable": ok, **({} if applicability is None else {"applicability": applicability}), "reason": why})
 def C(d): return json.dumps({"contexts": d})
 def K(d, why): return json.dumps({"keeps_gold": d, "reason": why})
 
@@ -93,6 +97,9 @@ def happy(keys, gold):
 def main():
     rows = [{"item": "*", "stage": "gate", "text": V(True, "Every wrong option can take such a statement without changing the facts of the case."),
              "note": "default: viable"}]
+    # per-content defaults with an applicability score (1-5) for `--assign natural`; item-specific rows still win
+    rows += [{"item": "*", "stage": "gate", "content": c, "text": V(True, f"Every wrong option can take a {c} statement without changing the facts of the case.", a),
+              "note": f"default: viable, applicability {a}"} for c, a in APPLICABILITY.items()]
     items = [r for kind, name, limit in POOLS for r in load(kind, name, limit)]
     items += [("medjourney-zh1", ["1", "2", "3", "4"], "2"), ("medjourney-zh2", ["1", "2", "3", "4"], "1")]
     assert [i for i, _, _ in items] == list(ITEMS), "the pools changed: update ITEMS"

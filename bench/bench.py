@@ -1,0 +1,362 @@
+"""`make bench`: the speed of medsafe_nb against its peers and this machine's limits, as one table measured in one run.
+
+Setup (close to issue 12's): a random-weight Llama (hidden 512, head_dim 64, 4 layers and a 32,000-token vocabulary
+by default, on the tokenizer and chat template of `medsafe_nb.testing`'s tiny model), the sample's
+real prompts (clean, type1 and type2 of the first items), CPU, fp32. Every method runs once per round and the rounds
+interleave the methods, so a slow moment of this shared machine hits all of them; the table shows medians over the
+rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
+
+- scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults, at its previous
+  default (batch 8), a naive loop (one full forward per prompt), and lm-eval's HFLM loglikelihood (batch 1, its
+  default) in the side venv `.venv-harness` (`make harness-env`), all against the fp32 matmul peak measured in
+  each round (MFU = model FLOPs of the prompts / time / peak);
+- generation (greedy, `--new-tokens` tokens): the toolkit against a naive per-prompt `generate` and against the
+  job's roofline (prefill at the matmul peak, each decoding step of one batch of all prompts at the larger of its
+  FLOPs at the peak and its bytes at the memory bandwidth measured in each round);
+- the OpenAI-compatible client against a minimal asyncio httpx client and the ideal, on a local server answering
+  after 50 ms, at concurrency 1-256: requests/s and client CPU per request;
+- vLLM (`.venv-vllm`, `make vllm`) against the in-process backend on the same model.
+
+    .venv/bin/python bench/bench.py [--rounds 3] [--threads N] [--skip vllm,hflm,api]
+
+Nothing is asserted. On a loaded machine pass --threads 1 (OpenMP threads spin-waiting for a descheduled sibling
+make small matrix products many times slower); the load average is printed.
+"""
+import argparse, asyncio, json, os, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+med = statistics.median
+
+
+def matmul_peak(dtype, n=1024, seconds=0.3)->float:
+    "FLOP/s of the best of three timed stretches of n x n matrix products"
+    import torch
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype); a @ b
+    best = 0.0
+    for _ in range(3):
+        k, t0 = 0, time.perf_counter()
+        while (dt := time.perf_counter() - t0) < seconds / 3: a @ b; k += 1
+        best = max(best, 2 * n ** 3 * k / dt)
+    return best
+
+
+def memory_bandwidth(mib=256)->float:
+    "bytes/s of the best of five copies of a `mib` MiB tensor (read + write)"
+    import torch
+    x = torch.ones(mib * 2 ** 18); y = torch.empty_like(x); y.copy_(x)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter(); y.copy_(x); best = max(best, 2 * x.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+class Shape:
+    "FLOPs and bytes of the benchmark model"
+    def __init__(self, lm):
+        cfg = lm.config
+        self.d, self.layers, self.vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+        self.kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        self.params = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+
+    def prefill(self, n:int)->float:
+        "FLOPs to read a prompt of n tokens and predict the next one (causal attention, one row of logits)"
+        return 2 * self.params * n + 2 * self.layers * n * n * self.d + 2 * self.d * self.vocab
+
+    def roofline(self, lengths:list, new:int, peak:float, bandwidth:float)->float:
+        "Seconds at best: prefill at the peak, then `new` steps of one batch of all prompts"
+        t = sum(self.prefill(n) for n in lengths) / peak
+        for s in range(new):
+            ctx = [n + s for n in lengths]
+            flops = sum(2 * self.params + 4 * self.layers * c * self.d + 2 * self.d * self.vocab for c in ctx)
+            byts = self.weight_bytes + sum(c * self.layers * 2 * self.kv * 4 for c in ctx)
+            t += max(flops / peak, byts / bandwidth)
+        return t
+
+
+def bench_model(layers:int, vocab:int)->Path:
+    "The tiny chat model's tokenizer and template on a Llama of hidden 512, head_dim 64 (vLLM runs it), `vocab` output rows"
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from medsafe_nb.testing import build_tiny_model
+    tmp = Path(tempfile.gettempdir())
+    path = tmp / f"medsafe_bench_llama512_l{layers}_v{vocab}"
+    if (path / "config.json").exists(): return path
+    base = build_tiny_model(tmp / f"medsafe_bench_llama512_l{layers}", hidden_size=512, num_layers=layers, num_heads=8)
+    lm = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(0)
+    if vocab > lm.config.vocab_size: lm.resize_token_embeddings(vocab, mean_resizing=False)   # a real model's vocabulary size
+    part = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=tmp))
+    lm.save_pretrained(part); AutoTokenizer.from_pretrained(base).save_pretrained(part)
+    part.rename(path)
+    return path
+
+
+def setup(n_items:int, layers:int, vocab:int):
+    from transformers.utils import logging as hf_logging
+    from medsafe_nb.data import load_medmisbench
+    from medsafe_nb.protocols import render_messages, type1_target
+    from medsafe_nb.testing import build_tiny_model
+    hf_logging.disable_progress_bar()
+    model = bench_model(layers, vocab)
+    items = load_medmisbench()[:n_items]
+    msgs = [(it, tuple(render_messages(it, c, type1_target(it) if c == "type1" else None))) for it in items for c in ("clean", "type1", "type2")]
+    return model, msgs
+
+
+def naive_score(lm, tok, texts, keys):
+    "One full forward per prompt, all logits, the keys' next-token log-probabilities"
+    import torch
+    answers = []
+    for text, ks in zip(texts, keys):
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        with torch.inference_mode(): lp = lm(**ids).logits[0, -1].log_softmax(-1)
+        kid = [tok(text + k, add_special_tokens=False).input_ids[-1] for k in ks]
+        answers.append(ks[max(range(len(ks)), key=lambda j: lp[kid[j]].item())])
+    return answers
+
+
+def naive_generate(lm, tok, texts, new):
+    "One `generate` per prompt, greedy"
+    import torch
+    out = []
+    for text in texts:
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        with torch.inference_mode():
+            row = lm.generate(**ids, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.input_ids.shape[1]:]
+        eos = set(lm.generation_config.eos_token_id or [])
+        stop = next((j for j, t in enumerate(row.tolist()) if t in eos), None)
+        out.append(tok.decode(row[:stop], skip_special_tokens=True).strip())
+    return out
+
+
+class HFLMWorker:
+    "lm-eval's HFLM in the side venv, loaded once, timed per `run`"
+    def __init__(self, python, model, texts, keys, threads):
+        spec = Path(tempfile.mkdtemp()) / "requests.json"
+        spec.write_text(json.dumps({"model": str(model), "threads": threads, "prompts": [[t, list(k)] for t, k in zip(texts, keys)]}))
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        self.p = subprocess.Popen([python, str(ROOT / "bench" / "hflm_worker.py"), str(spec)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        line = self.p.stdout.readline()
+        if line.strip() != "ready": raise RuntimeError(f"hflm worker did not start ({line!r})")
+
+    def run(self):
+        self.p.stdin.write("run\n"); self.p.stdin.flush()
+        got = json.loads(self.p.stdout.readline())
+        return got["seconds"], got["answers"]
+
+    def close(self):
+        try: self.p.stdin.write("quit\n"); self.p.stdin.close()
+        except OSError: pass
+        self.p.wait(30)
+
+
+def timed(fn):
+    t0 = time.perf_counter(); out = fn(); return time.perf_counter() - t0, out
+
+
+def best_keys(results:dict)->list:
+    return [max(s.logprobs, key=s.logprobs.get) for _, s in sorted(results.items())]
+
+
+# --- the OpenAI-compatible client ---------------------------------------------------------------------------------
+def api_messages(i): return [{"role": "user", "content": f"Case {i}.\nWhich?\nA. yes\nB. no\nC. maybe"}]
+
+
+async def _minimal(url, n, c):
+    import httpx
+    sem = asyncio.Semaphore(c)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)   # the openai SDK's pool
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        async def one(i):
+            async with sem:
+                r = await client.post("/chat/completions", json={"model": "mock-model", "messages": api_messages(i), "max_tokens": 64})
+                r.raise_for_status()
+                return r.json()["choices"][0]["message"]["content"]
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def minimal_client(url, n, c): return asyncio.run(_minimal(url, n, c))
+
+
+def toolkit_client(url, n, c):
+    from medsafe_nb.openai_compat import OpenAIBackend
+    from medsafe_nb.backends import GenRequest
+    out = list(OpenAIBackend("mock-model", base_url=url, concurrency=c).generate([GenRequest(tuple(api_messages(i))) for i in range(n)]))
+    bad = sum(g.finish_reason == "error" for _, g in out)
+    if bad: raise RuntimeError(f"toolkit client: {bad} errors")
+    return out
+
+
+def cpu_timed(fn):
+    t0, c0 = time.perf_counter(), time.process_time(); fn(); return time.perf_counter() - t0, time.process_time() - c0
+
+
+# --- the table ----------------------------------------------------------------------------------------------------
+def table(rows):
+    head = ("part", "method", "median", "ratio", "of the bound")
+    w = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
+    line = lambda r: "| " + " | ".join(str(x).ljust(w[i]) for i, x in enumerate(r)) + " |"
+    return "\n".join([line(head), "| " + " | ".join("-" * x for x in w) + " |"] + [line(r) for r in rows])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians over them)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the benchmark model")
+    ap.add_argument("--vocab", type=int, default=32000, help="vocabulary (output rows) of the benchmark model, as Llama 2's")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--prompts", type=int, default=48, help="prompts per scoring call (a --limit 16 run)")
+    ap.add_argument("--gen-prompts", type=int, default=24, help="prompts per generation call")
+    ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per generated reply")
+    ap.add_argument("--concurrency", default="1,4,16,64,256", help="API concurrency levels")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: hflm, api, vllm")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    t_start = time.perf_counter()
+    import torch
+    if args.threads: torch.set_num_threads(args.threads)
+    from medsafe_nb.backends import GenRequest, ScoreRequest
+    from medsafe_nb.hf import HFBackend
+    model, msgs = setup(-(-max(args.prompts, args.gen_prompts) // 3), args.layers, args.vocab)
+    score_msgs, gen_msgs = msgs[:args.prompts], msgs[:args.gen_prompts]
+    fast = HFBackend(str(model), max_new_tokens=args.new_tokens)          # the defaults
+    old = HFBackend(str(model), batch_size=8, max_new_tokens=args.new_tokens)   # the previous default
+    lm, tok, shape = fast.lm, fast.tokenizer, Shape(fast.lm)
+    score_reqs = [ScoreRequest(m, it.keys) for it, m in score_msgs]
+    gen_reqs = [GenRequest(m, max_new_tokens=args.new_tokens) for _, m in gen_msgs]
+    texts = [fast.prompt_text(m, thinking=False) + r.prefix for (_, m), r in zip(score_msgs, score_reqs)]
+    keys = [it.keys for it, _ in score_msgs]
+    gen_texts = [fast.prompt_text(m) for _, m in gen_msgs]
+    lengths = [len(e) for e in fast._encode(texts)]
+    gen_lengths = [len(e) for e in fast._encode(gen_texts)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"model: Llama hidden {shape.d}, {shape.layers} layers, {shape.params / 1e6:.1f} M non-embedding parameters, {fast.dtype}")
+    print(f"scoring: {len(texts)} prompts, {min(lengths)}-{max(lengths)} tokens (median {med(lengths):.0f}); "
+          f"generation: {len(gen_texts)} prompts x {args.new_tokens} new tokens; {args.rounds} interleaved rounds", flush=True)
+
+    hflm = None
+    if "hflm" not in skip:
+        py = ROOT / ".venv-harness" / "bin" / "python"
+        if py.exists():
+            try: hflm = HFLMWorker(str(py), model, texts, keys, args.threads)
+            except Exception as e: print(f"lm-eval HFLM: not measured ({e}); run `make harness-env`")
+        else: print("lm-eval HFLM: not measured: no .venv-harness (run `make harness-env`)")
+
+    R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b8", "score_naive", "score_hflm", "gen", "gen_naive")}
+    answers, texts_out = {}, {}
+    for r in range(args.rounds):
+        R["peak_bf16"].append(matmul_peak(torch.bfloat16)); R["bw"].append(memory_bandwidth())
+        runs = [("score", lambda: best_keys(dict(fast.score(score_reqs)))),
+                ("score_b8", lambda: best_keys(dict(old.score(score_reqs)))),
+                ("score_naive", lambda: naive_score(lm, tok, texts, keys))]
+        if hflm: runs.append(("score_hflm", hflm.run))
+        runs += [("gen", lambda: [g.text for _, g in sorted(fast.generate(gen_reqs))]),
+                 ("gen_naive", lambda: naive_generate(lm, tok, gen_texts, args.new_tokens))]
+        if r % 2: runs.reverse()                               # alternate the order between rounds
+        for name, fn in runs:
+            R["peak"].append(matmul_peak(torch.float32, seconds=0.15))   # before every method: the best one is the peak
+            if name == "score_hflm": dt, out = fn()
+            else: dt, out = timed(fn)
+            R[name].append(dt); answers.setdefault(name, out)
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in R.items() if v and k.startswith(("score", "gen"))), flush=True)
+    if hflm: hflm.close()
+
+    peak, bw = max(R["peak"]), max(R["bw"])          # the machine's limits: the best of all samples
+    flops = sum(shape.prefill(n) for n in lengths)
+    rows = []
+    ref = med(R["score_hflm"]) if R["score_hflm"] else None
+    for key, label in (("score", "toolkit, defaults (auto batch)"), ("score_b8", "toolkit, batch 8 (previous default)"),
+                       ("score_naive", "naive loop (full forward per prompt)"), ("score_hflm", "lm-eval HFLM loglikelihood, bs 1")):
+        if not R[key]: continue
+        dt = med(R[key])
+        agree = sum(a == b for a, b in zip(answers[key], answers["score"]))
+        rows.append((f"scoring, {len(texts)}-prompt call", label, f"{len(texts) / dt:.2f} prompts/s",
+                     (f"{ref / dt:.2f}x HFLM" if ref else "") + f", answers {agree}/{len(texts)}", f"MFU {flops / dt / peak:.2f}"))
+    gen_bound = shape.roofline(gen_lengths, args.new_tokens, peak, bw)
+    n_new = len(gen_texts) * args.new_tokens
+    same = sum(a == b for a, b in zip(answers["gen"], answers["gen_naive"]))
+    for key, label in (("gen", "toolkit, defaults (auto batch)"), ("gen_naive", "naive per-prompt generate")):
+        dt = med(R[key])
+        rows.append((f"generation, {len(gen_texts)} x {args.new_tokens} tokens", label, f"{n_new / dt:.1f} tok/s",
+                     f"{med(R['gen_naive']) / dt:.2f}x naive" + (f", texts {same}/{len(gen_texts)}" if key == "gen" else ""),
+                     f"{gen_bound / dt:.2f} of roofline"))
+    print(f"  peak fp32 {peak / 1e9:.0f} GFLOP/s (median sample {med(R['peak']) / 1e9:.0f}), bf16 {max(R['peak_bf16']) / 1e9:.0f} GFLOP/s, memory {bw / 1e9:.1f} GB/s "
+          f"(roofline of the generation job: {gen_bound:.2f} s)", flush=True)
+
+    if "api" not in skip: rows += bench_api([int(c) for c in args.concurrency.split(",")], args.rounds)
+    if "vllm" not in skip: rows += bench_vllm(model, fast, score_reqs, gen_reqs, args.rounds)
+    print()
+    print(table(rows))
+    print(f"\n(medians of interleaved rounds; bounds measured in this run, the best of all samples: fp32 matmul peak "
+          f"{peak / 1e9:.0f} GFLOP/s (bf16 {max(R['peak_bf16']) / 1e9:.0f}), memory bandwidth {bw / 1e9:.1f} GB/s; "
+          f"{torch.get_num_threads()} thread(s); {time.perf_counter() - t_start:.0f} s in all)")
+
+
+def bench_api(levels, rounds, delay=0.05):
+    server = subprocess.Popen([sys.executable, "-m", "medsafe_nb.mockserver", "--port", "0", "--quiet", "--delay", str(delay)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().split(" at ")[1].split(" ")[0]
+        toolkit_client(url, 2, 1); minimal_client(url, 2, 1)                # warm up
+        R = {(c, k): [] for c in levels for k in ("toolkit", "minimal")}
+        for r in range(rounds):
+            for c in levels:
+                n = min(max(32, 2 * c), 512)
+                pair = [("toolkit", toolkit_client), ("minimal", minimal_client)]
+                for k, fn in (pair if r % 2 == 0 else pair[::-1]):
+                    dt, cpu = cpu_timed(lambda: fn(url, n, c))
+                    R[c, k].append((n / dt, cpu / n))
+            print(f"  api round {r + 1} done", flush=True)
+        rows = []
+        for c in levels:
+            rps = {k: med(x[0] for x in R[c, k]) for k in ("toolkit", "minimal")}
+            cpu = {k: med(x[1] for x in R[c, k]) for k in ("toolkit", "minimal")}
+            ideal = min(c, min(max(32, 2 * c), 512)) / delay
+            for k, label in (("toolkit", "toolkit OpenAI backend"), ("minimal", "minimal asyncio httpx client")):
+                ratio = f"{rps[k] / rps['minimal']:.2f}x minimal req/s, {cpu[k] / cpu['minimal']:.2f}x its CPU" if k == "toolkit" else ""
+                rows.append((f"API, concurrency {c}", label, f"{rps[k]:.0f} req/s, {cpu[k] * 1000:.1f} ms CPU/req", ratio,
+                             f"{rps[k] / ideal:.2f} of ideal ({ideal:.0f} req/s)"))
+        return rows
+    finally:
+        server.terminate(); server.wait(10)
+
+
+def bench_vllm(model, fast, score_reqs, gen_reqs, rounds):
+    from medsafe_nb.engine import find_vllm_python, vllm_backend
+    try: find_vllm_python()
+    except Exception as e:
+        print(f"vLLM: not measured ({e})"); return []
+    out = Path(tempfile.mkdtemp(prefix="medsafe-bench-vllm-"))
+    import torch
+    n = torch.get_num_threads()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if n == 1 else f"0-{n - 1}")   # as many threads as in-process
+    t0 = time.perf_counter()
+    try: v = vllm_backend(f"hf:{model}", out=out, model_args={"max_model_len": 4096}, max_new_tokens=gen_reqs[0].max_new_tokens,
+                          startup_timeout=480)
+    except Exception as e:
+        print(f"vLLM: not measured: the server did not start ({type(e).__name__}: {str(e)[:300]}); log in {out}"); return []
+    print(f"  vLLM server healthy after {time.perf_counter() - t0:.0f} s", flush=True)
+    try:
+        R = {k: [] for k in ("v_score", "i_score", "v_gen", "i_gen")}
+        got = {}
+        for r in range(rounds):
+            runs = [("v_score", lambda: best_keys(dict(v.score(score_reqs)))), ("i_score", lambda: best_keys(dict(fast.score(score_reqs)))),
+                    ("v_gen", lambda: [g.text for _, g in sorted(v.generate(gen_reqs))]), ("i_gen", lambda: [g.text for _, g in sorted(fast.generate(gen_reqs))])]
+            for k, fn in (runs if r % 2 == 0 else runs[::-1]):
+                dt, o = timed(fn); R[k].append(dt); got.setdefault(k, o)
+        n_new = len(gen_reqs) * gen_reqs[0].max_new_tokens
+        s_agree = sum(a == b for a, b in zip(got["v_score"], got["i_score"]))
+        g_agree = sum(a == b for a, b in zip(got["v_gen"], got["i_gen"]))
+        return [(f"vLLM, scoring {len(score_reqs)} prompts", "vLLM server (top logprobs), concurrency 64", f"{len(score_reqs) / med(R['v_score']):.2f} prompts/s",
+                 f"{med(R['i_score']) / med(R['v_score']):.2f}x in-process, answers {s_agree}/{len(score_reqs)}", "top-100 of the vocabulary"),
+                (f"vLLM, generation {len(gen_reqs)} x {gen_reqs[0].max_new_tokens}", "vLLM server, concurrency 64", f"{n_new / med(R['v_gen']):.1f} tok/s",
+                 f"{med(R['i_gen']) / med(R['v_gen']):.2f}x in-process, texts {g_agree}/{len(gen_reqs)}", "")]
+    finally:
+        v.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU speed check, prepared for the day a GPU is lent (issue 12): one H200 with torch, transformers and
+# accelerate preinstalled, no network, no vLLM. Prints one table (matmul peak, scoring prompts/s and MFU,
+# generation tok/s against its roofline, the accelerate launch path, a full-benchmark estimate); asserts nothing.
+# Usage: bench/gpu.sh [--small] [--skip-launch]     (--small, or no CUDA: a small float32 shape, to check on a CPU)
+# Time limit: 8 minutes (the script is stopped at 470 s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -n "${PYTHON:-}" ]]; then PY=$PYTHON
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec timeout --signal=INT --kill-after=10 470 "$PY" bench/gpu_bench.py "$@"
