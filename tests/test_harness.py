@@ -13,6 +13,8 @@ import pytest
 from medsafe_nb import harness
 from medsafe_nb.core import MedsafeError
 
+pytestmark = pytest.mark.integration   # real components end to end: `make test-integration`
+
 ROOT = Path(__file__).resolve().parents[1]
 SIDE = ROOT / ".venv-harness"
 
@@ -20,8 +22,6 @@ SIDE = ROOT / ".venv-harness"
 # this shim (put on PYTHONPATH as sitecustomize) counts bytes instead when the encoding cannot be loaded
 TIKTOKEN_SHIM = '''
 import tiktoken
-
-pytestmark = pytest.mark.integration   # real components end to end: `make test-integration`
 _get = tiktoken.get_encoding
 class _Bytes:
     name = "offline-bytes"
