@@ -116,7 +116,7 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
                   conditions=CONDITIONS,       # conditions to run
                   seed:int=0,                  # Type 1 target seed
                   scoring:str="generate",      # `generate` (free reply, answer extracted) or `logprob` (key probabilities)
-                  mitigation:str="none",       # `none` or `warning`
+                  mitigation:str="none",       # none | warning | search | warning+search (search: the backend is the search wrapper)
                   only_clean_correct:bool=False, # run attacked conditions only on items answered right in clean
                   ledger:Ledger|str|Path|None=None, # response ledger (path or open ledger); None keeps responses in memory only
                   max_new_tokens:int|None=None, # output cap per request (None: the backend's own)
