@@ -84,6 +84,7 @@ def run_options()->list[inspect.Parameter]:
                                     default=typer.Option(None, "--revision", hidden=True, help="deprecated: --data-revision")))
     return params
 
+# %% ../nbs/14_cli.ipynb #5be9c1c5
 def run_cmd(**options):
     """Run a model on MedMisBench; writes OUT/predictions.parquet, OUT/run.json and OUT/manifest.json (resumable: rerun to continue).
 
@@ -104,6 +105,10 @@ def run_cmd(**options):
     code, why = run_outcome(df, cfg.max_error_rate)
     if code: typer.echo(f"medsafe run: {why}", err=True); raise typer.Exit(code)
 
+run_cmd.__signature__ = inspect.Signature(run_options())
+app.command("run")(run_cmd)
+
+# %% ../nbs/14_cli.ipynb #48e44567
 def run_summary(df, cfg:RunConfig)->str:
     "What `medsafe run` prints at the end: where the table went, status counts, and the run's Table 1 row with intervals"
     from medsafe_nb.paper_tables import table1
@@ -115,9 +120,6 @@ def run_summary(df, cfg:RunConfig)->str:
     try: lines.append(compact_table1(table1(df.assign(scope=scope), n_boot=1000, seed=cfg.seed)))
     except MedsafeError as e: lines.append(f"(no Table 1 row: {e})")
     return "\n".join(lines)
-
-run_cmd.__signature__ = inspect.Signature(run_options())
-app.command("run")(run_cmd)
 
 # %% ../nbs/14_cli.ipynb #cdcaf48e
 @app.command()
@@ -194,6 +196,7 @@ def figures(params:str=typer.Option(..., "--params", "-p", help="params file (nb
 review_app = typer.Typer(no_args_is_help=True, help="Clinician review: blinded offline packets, ratings, agreement, the paper's harm table.")
 app.add_typer(review_app, name="review")
 
+# %% ../nbs/14_cli.ipynb #2a667ba5
 @review_app.command("export")
 def review_export(run_dirs:List[str]=typer.Argument(..., help="run folders (medsafe run --out)"),
                   kind:str=typer.Option(..., "--kind", help="quality (items) | harm (flipped outputs)"),
@@ -209,6 +212,7 @@ def review_export(run_dirs:List[str]=typer.Argument(..., help="run folders (meds
     typer.echo(f"packet {man['packet']}: {len(man['cases'])} {kind} cases; " + ", ".join(f"{r}: {len(c)}" for r, c in man["assignment"].items()))
     typer.echo(f"send {out}/<rater>.html (or .csv) to each rater; keep {out}/manifest.json")
 
+# %% ../nbs/14_cli.ipynb #611d16d6
 @review_app.command("import")
 def review_import(files:List[str]=typer.Argument(..., help="rating files: JSON exports or CSV forms"),
                   packet:str=typer.Option(..., "--packet", help="the packet folder")):
@@ -218,6 +222,7 @@ def review_import(files:List[str]=typer.Argument(..., help="rating files: JSON e
     except MedsafeError as e: _fail(e)
     typer.echo(f"{len(table)} ratings from {table.rater.nunique()} rater(s) -> {packet}/ratings.csv")
 
+# %% ../nbs/14_cli.ipynb #4cdd5226
 @review_app.command("report")
 def review_report_cmd(packet:str=typer.Option(..., "--packet", help="the packet folder"),
                       out:str=typer.Option(..., "--out", "-o", help="folder for the tables (.csv .md .tex)"),
@@ -229,6 +234,7 @@ def review_report_cmd(packet:str=typer.Option(..., "--packet", help="the packet 
     except MedsafeError as e: _fail(e)
     typer.echo(f"wrote {', '.join(sorted(tables))} to {out}")
 
+# %% ../nbs/14_cli.ipynb #a0cc8af1
 @review_app.command("judge")
 def review_judge(packet:str=typer.Argument(..., help="the packet folder"),
                  model:str=typer.Option(..., "--model", "-m", help="model spec of the judge (any backend)"),
@@ -255,6 +261,7 @@ def show(run_dir:str=typer.Argument(..., help="a run folder (medsafe run --out)"
     except MedsafeError as e: _fail(e)
     typer.echo("\n\n".join(blocks) if blocks else "no rows match")
 
+# %% ../nbs/14_cli.ipynb #01ab154b
 @app.command("report")
 def report_cmd(run_dirs:List[str]=typer.Argument(..., help="one or more run folders"),
                out:str=typer.Option(..., "--out", "-o", help="the HTML file to write (self-contained, opens offline)"),
@@ -268,9 +275,11 @@ def report_cmd(run_dirs:List[str]=typer.Argument(..., help="one or more run fold
     except MedsafeError as e: _fail(e)
     typer.echo(f"wrote {path} ({path.stat().st_size // 1024} KiB); open it in a browser, no server needed")
 
+# %% ../nbs/14_cli.ipynb #36f0e445
 export_app = typer.Typer(no_args_is_help=True, help="Export the benchmark to other evaluation harnesses.")
 app.add_typer(export_app, name="export")
 
+# %% ../nbs/14_cli.ipynb #f595ac13
 @export_app.command("lm-eval")
 def export_lm_eval_cmd(out:str=typer.Option(..., "--out", "-o", help="folder for the task YAMLs, utils.py and the data"),
                        data:str=typer.Option("sample", help="sample | hf | PATH to a release file or folder"),
