@@ -23,7 +23,7 @@ from .ledger import Ledger
 from .tables import markdown_table
 from .gate import PROMPT_VERSION, ConstructConfig, TokenTally, run_gate
 from .generate import run_generate
-from .validate import REJECTION_REASONS, rejection, validate_wave, verify_wave
+from .checks import REJECTION_REASONS, rejection, validate_wave, verify_wave
 
 # %% auto #0
 __all__ = ['ASSIGN_POLICIES', 'PAPER_PROVENANCE', 'OUTPUT_FILES', 'SOURCE_KINDS_ALL', 'seeded_order', 'waves', 'target_shares',

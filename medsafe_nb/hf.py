@@ -4,56 +4,17 @@
 
 # %% ../nbs/07_hf.ipynb #8cbe6537
 from __future__ import annotations
-import hashlib, inspect, json, os, re, time, warnings
+import hashlib, inspect, time, warnings
 from pathlib import Path
 from typing import Callable, Iterator
 from fastcore.basics import patch
 from .core import ConfigError, THINK_OPEN, THINK_CLOSE
 from .backends import Backend, GenRequest, Generation, ScoreRequest, Scores, register_backend
+from .local import local_revision, hub_access, resolve_commit, cpu_dtype, dist_env
+from .local import shard, plan_batches, AUTO_BATCH, plain_greedy
 
 # %% auto #0
-__all__ = ['PLAIN_CHAT_TEMPLATE', 'AUTO_BATCH', 'file_sha256', 'local_revision', 'merge_system', 'split_reasoning', 'dist_env',
-           'shard', 'plan_batches', 'cpu_dtype', 'plain_greedy', 'HFBackend', 'hub_access']
-
-# %% ../nbs/07_hf.ipynb #e4ae9f56
-def _cache_dir()->Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "medsafe_nb"
-
-def file_sha256(path:Path, chunk:int=1<<24)->str:
-    "SHA-256 of a file's bytes, cached by (path, size, mtime) for files over 64 MiB"
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    store = _cache_dir() / "file-sha256.json"
-    big = st.st_size > 1 << 26
-    if big:
-        try: cached = json.loads(store.read_text()).get(key)
-        except (OSError, ValueError): cached = None
-        if cached: return cached
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk): h.update(b)
-    digest = h.hexdigest()
-    if big:
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            try: data = json.loads(store.read_text())
-            except (OSError, ValueError): data = {}
-            data[key] = digest
-            tmp = store.with_suffix(f".{os.getpid()}.tmp"); tmp.write_text(json.dumps(data)); os.replace(tmp, store)
-        except OSError: pass                    # a read-only home: hash again next time
-    return digest
-
-# %% ../nbs/07_hf.ipynb #bd28b4f6
-_SKIP_FILES = re.compile(r"^(\.|README|LICENSE|NOTICE)|\.(md|txt\.lock)$", re.I)
-
-def local_revision(path:str|os.PathLike, # a model directory
-                  )->str:                # `sha256:` + 16 hex digits over its files' names and contents
-    "Content fingerprint of a local model directory (top-level files; READMEs and dotfiles ignored)"
-    path = Path(path)
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file() and not _SKIP_FILES.search(p.name)):
-        h.update(f"{f.name}\0{file_sha256(f)}\n".encode())
-    return "sha256:" + h.hexdigest()[:16]
+__all__ = ['PLAIN_CHAT_TEMPLATE', 'merge_system', 'split_reasoning', 'HFBackend']
 
 # %% ../nbs/07_hf.ipynb #63099f49
 PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
@@ -79,41 +40,6 @@ def split_reasoning(text:str, # decoded reply
     if (opened := THINK_OPEN.match(text.lstrip())): return "", text.lstrip()[opened.end():].strip()
     return text.strip(), None
 
-# %% ../nbs/07_hf.ipynb #cf12ac1c
-def dist_env()->tuple[int, int, int]:
-    "(rank, world size, local rank) of this process, from the variables `accelerate launch` and `torchrun` set"
-    g = lambda k, d: int(os.environ.get(k, d) or d)
-    return g("RANK", 0), g("WORLD_SIZE", 1), g("LOCAL_RANK", 0)
-
-# %% ../nbs/07_hf.ipynb #3558f016
-def shard(order:list,  # request indices, longest prompt first
-          rank:int,    # this process
-          world:int,   # number of processes
-         )->list:      # this process's indices, padded with repeats to ceil(len(order)/world)
-    "Interleaved shard of `order` for process `rank`, padded so that every process gets the same count"
-    if not order: return []
-    mine = list(order[rank::world])
-    return mine + [mine[-1] if mine else order[-1]] * (-(-len(order) // world) - len(mine))
-
-# %% ../nbs/07_hf.ipynb #43132767
-def plan_batches(order:list,          # request indices, longest prompt first
-                 lengths:list,        # prompt length (tokens) of every request, by index
-                 max_batch:int,       # most prompts in a batch
-                 max_tokens:int|None=None, # most padded tokens in a batch (a longer prompt still goes, alone)
-                 max_pad:float=1.0,   # largest share of padding tokens in a batch
-                )->list[list]:        # consecutive runs of `order`
-    "Cut the sorted `order` into batches within a prompt count, a padded-token budget and a padding share"
-    batches, cur = [], []
-    for i in order:
-        if cur:
-            n, width = len(cur) + 1, lengths[cur[0]]            # longest first: the first prompt sets the width
-            padded = n * width
-            pad = padded - sum(lengths[j] for j in cur) - lengths[i]
-            if n > max_batch or (max_tokens and padded > max_tokens) or pad > max_pad * padded:
-                batches.append(cur); cur = []
-        cur.append(i)
-    return batches + [cur] if cur else batches
-
 # %% ../nbs/07_hf.ipynb #de8f56f4
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 _KEY_SCORING = ("first_token", "sequence")
@@ -126,22 +52,6 @@ def _flag(value, name:str, none_ok:bool=True)->bool|None:
     if v in ("0", "false", "no", "off"): return False
     if none_ok and v in ("", "none", "default"): return None
     raise ConfigError(f"hf: {name} must be true or false{' or none' if none_ok else ''}, got {value!r}")
-
-# %% ../nbs/07_hf.ipynb #5f4f94bb
-def cpu_dtype()->str:
-    "The faster precision on this CPU: bfloat16 with AMX matrix tiles, else float32"
-    import torch
-    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)()
-    return "bfloat16" if amx else "float32"
-
-# %% ../nbs/07_hf.ipynb #62b02265
-def plain_greedy(gen_config)->bool:
-    "True when a generation config adds nothing to argmax decoding (no penalties, bans, forced or minimum tokens, beams)"
-    g = lambda k: getattr(gen_config, k, None)
-    return (g("repetition_penalty") in (None, 1, 1.0) and g("num_beams") in (None, 1) and g("encoder_repetition_penalty") in (None, 1, 1.0)
-            and not any(g(k) for k in ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
-                                       "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "min_new_tokens", "min_length",
-                                       "exponential_decay_length_penalty", "watermarking_config", "renormalize_logits")))
 
 # %% ../nbs/07_hf.ipynb #e70c8a83
 class HFBackend(Backend):
@@ -195,47 +105,6 @@ class HFBackend(Backend):
     @property
     def do_sample(self)->bool: return self.temperature > 0
 
-# %% ../nbs/07_hf.ipynb #b2142ce7
-def _hub_unreachable(endpoint:str, timeout:float)->str|None:
-    "None when the Hub answers at `endpoint` (any HTTP status), else why not"
-    import urllib.request, urllib.error
-    try: urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close(); return None
-    except urllib.error.HTTPError: return None                      # an answer, even an error status: the Hub is there
-    except (OSError, ValueError) as e: return f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
-
-def hub_access(model_id:str,             # a Hub id, org/name
-               revision:str|None=None,   # branch, tag or commit
-               endpoint:str|None=None,   # the Hub (default: $HF_ENDPOINT or https://huggingface.co)
-               timeout:float=3.0,        # seconds for the one probe
-              )->bool:                   # True: load from the local cache only; False: the Hub is reachable
-    "Decide up front between the Hub and the local cache; `ConfigError` with advice when neither has the model"
-    from huggingface_hub import try_to_load_from_cache
-    cached = isinstance(try_to_load_from_cache(model_id, "config.json", revision=revision), str)
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
-    if offline in ("1", "true", "yes", "on"):
-        if cached: return True
-        raise ConfigError(f"hf: {model_id!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE={offline} forbids "
-                          "downloading it: unset HF_HUB_OFFLINE (or set HF_HUB_OFFLINE=0) where the Hub is reachable, "
-                          "or pass a local model directory (hf:/path/to/model)")
-    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    why = _hub_unreachable(endpoint, timeout)
-    if why is None: return False
-    if cached:
-        warnings.warn(f"hf: the Hugging Face Hub at {endpoint} is unreachable ({why}); loading {model_id} from the local cache")
-        return True
-    raise ConfigError(f"hf: cannot reach the Hugging Face Hub at {endpoint} ({why}), and {model_id!r} is not in the "
-                      f"local cache: connect to the network, or download it where there is one (`hf download {model_id}`) "
-                      "and copy the cache (HF_HOME) or pass the model directory (hf:/path/to/model)")
-
-# %% ../nbs/07_hf.ipynb #9d9f5758
-def _resolve_commit(model_id:str, revision:str|None, local_only:bool=False)->str|None:
-    "The commit a Hub revision points to, from the cached `config.json`'s snapshot path (None if unknown)"
-    try:
-        from transformers.utils import cached_file
-        from transformers.utils.hub import extract_commit_hash
-        return extract_commit_hash(cached_file(model_id, "config.json", revision=revision, local_files_only=local_only), None)
-    except Exception: return None
-
 # %% ../nbs/07_hf.ipynb #4d724e6d
 @patch
 def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map, attn_implementation, chat_template):
@@ -250,7 +119,7 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
     else:
         src = self.model
         local_only = hub_access(src, revision)          # fails at once when the Hub is out of reach and the model not cached
-        commit = _resolve_commit(src, revision, local_only)
+        commit = resolve_commit(src, revision, local_only)
         self.revision = commit or revision or "main"
         revision = commit or revision
     if device == "auto":
@@ -350,11 +219,6 @@ def _fit(self:HFBackend, batch_fn:Callable, batch:list, on_error:Callable)->list
     return out
 
 # %% ../nbs/07_hf.ipynb #00e6106e
-AUTO_BATCH = {  # (device type, work): (max prompts, max padded tokens, max padding share)
-    ("cpu", "score"): (64, 512, 0.05), ("cpu", "generate"): (16, 16384, 0.15),
-    ("cpu", "decode"): (32, None, 0.5),
-    ("cuda", "score"): (64, 65536, 0.25), ("cuda", "generate"): (32, 65536, 0.25)}
-
 @patch
 def _plan(self:HFBackend, order:list, lengths:list, work:str)->list[list]:
     "Batches over the sorted `order` (all processes): the fixed `batch_size`, or the automatic limits"

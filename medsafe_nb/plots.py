@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['DPI', 'PALETTE', 'CONDITION_COLORS', 'CONDITION_LABELS', 'SOURCE_COLORS', 'SOURCE_MARKERS', 'REFERENCE_FILES',
-           'CONTROL_KINDS', 'LABEL_RINGS', 'NO_EFFORT_PAIRS', 'FIGURES', 'set_theme', 'save_figure', 'split_effort',
-           'model_label', 'find_reference_dir', 'paper_reference', 'plot_accuracy_by_condition', 'label_overlaps',
-           'plot_asr_vs_clean', 'plot_type1_vs_type2', 'plot_content_provenance', 'plot_effort_pairs', 'category_key',
-           'plot_breakdowns', 'write_figures']
+           'CONTROL_KINDS', 'NO_EFFORT_PAIRS', 'FIGURES', 'set_theme', 'save_figure', 'split_effort', 'model_label',
+           'find_reference_dir', 'paper_reference', 'plot_accuracy_by_condition', 'plot_asr_vs_clean',
+           'plot_type1_vs_type2', 'plot_content_provenance', 'plot_effort_pairs', 'category_key', 'plot_breakdowns',
+           'write_figures', 'LABEL_RINGS', 'label_overlaps']
 
 # %% ../nbs/12_plots.ipynb #456a7bf5
 import re
@@ -20,14 +20,16 @@ import pandas as pd
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.text import Text
-from matplotlib.transforms import Bbox
 import seaborn as sns
 
 from .core import CONDITIONS, EFFORTS, MedsafeError, repo_root
 from . import taxonomy
 from .metrics import MetricsError
 from .paper_tables import category_names, table1, breakdowns, cross_breakdown
+from .labels import LABEL_RINGS, label_overlaps, place_labels, error_bar_boxes, number_key, not_shown_note
+
+# %% ../nbs/12_plots.ipynb #70afc007
+_all_ = ["LABEL_RINGS", "label_overlaps"]  # owned by `labels`, still part of this module's API
 
 # %% ../nbs/12_plots.ipynb #9e0cd2b1
 DPI = 200  # resolution of saved PNGs
@@ -171,101 +173,12 @@ def plot_accuracy_by_condition(run:pd.DataFrame|None, # this run's `table1`
     fig.legend(handles=handles, loc="outside upper center", ncols=3, frameon=False)
     return fig
 
-# %% ../nbs/12_plots.ipynb #5ae0133a
-def label_overlaps(ax:plt.Axes, # axes whose text labels are checked
-                  )->list[tuple[str, str]]: # pairs of labels whose boxes overlap
-    "Pairs of non-empty text labels of `ax` whose drawn boxes overlap"
-    ax.figure.draw_without_rendering()
-    texts = [t for t in ax.texts if t.get_text()]
-    boxes = [Text.get_window_extent(t) for t in texts]
-    return [(texts[i].get_text(), texts[j].get_text()) for i in range(len(texts)) for j in range(i + 1, len(texts))
-            if boxes[i].overlaps(boxes[j])]
-
-# %% ../nbs/12_plots.ipynb #c859e927
-LABEL_RINGS = (6, 12, 20, 30, 42, 58, 80)  # distances (points) tried from a point to its label, nearest first
-_DIRECTIONS = ((1, 0), (-1, 0), (1, 1), (-1, 1), (1, -1), (-1, -1), (0, 1), (0, -1),  # E, W, NE, NW, SE, SW, N, S
-               (1, .5), (-1, .5), (1, -.5), (-1, -.5), (.5, 1), (-.5, 1), (.5, -1), (-.5, -1))
-
-# %% ../nbs/12_plots.ipynb #edc6826e
-def _corner(w:float, h:float, # label size, points
-            ring:float, # distance from the point, points
-            dx:float, dy:float, # direction
-           )->tuple[float, float]: # bottom-left corner of the label, points from the point
-    "Where a w×h label `ring` points away from its point in direction (dx, dy) starts"
-    n = np.hypot(dx, dy); ux, uy = dx / n * ring, dy / n * ring
-    return (ux if dx > 0 else ux - w if dx < 0 else -w / 2), (uy if dy > 0 else uy - h if dy < 0 else -h / 2)
-
-# %% ../nbs/12_plots.ipynb #44c5a758
-def _crosses(p:np.ndarray, q:np.ndarray, # segment ends, pixels
-             box:Bbox, steps:int=20)->bool:
-    "Whether the segment p→q passes through `box`"
-    return any(box.contains(*(p + (q - p) * t)) for t in np.linspace(0, 1, steps)[1:])
-
-# %% ../nbs/12_plots.ipynb #5d402966
-def _place_labels(ax:plt.Axes, # axes with fixed limits and a settled layout
-                  xs:Sequence[float], ys:Sequence[float], # the points, in data coordinates
-                  labels:Sequence[str], # one label per point
-                  fontsize:float=7.5, color:str="0.15", # label look
-                  points:np.ndarray|None=None, # every marker of the axes (data), which labels keep off (default: xs, ys)
-                  bars:Sequence[Bbox]=(), # pixel boxes labels avoid where they can (error bars)
-                  taken:list|None=None, # pixel boxes of labels already placed; extended in place
-                  marker_pt:float=4.5, # marker half-size, points
-                 )->list[Text]: # the labels
-    "Label each point in the nearest free slot around it, with a thin leader only when the slot is not next to it"
-    fig, r = ax.figure, ax.figure.canvas.get_renderer()
-    k = fig.dpi / 72                                     # points -> pixels
-    taken = [] if taken is None else taken
-    xy = ax.transData.transform(np.column_stack([xs, ys]).astype(float))
-    every = xy if points is None else ax.transData.transform(np.asarray(points, dtype=float).reshape(-1, 2))
-    marks = [Bbox.from_bounds(px - marker_pt * k, py - marker_pt * k, 2 * marker_pt * k, 2 * marker_pt * k) for px, py in every]
-    frame, texts = ax.bbox, []
-    for p, label in zip(xy, labels):
-        t = ax.annotate(label, ax.transData.inverted().transform(p), xytext=(0, 0), textcoords="offset points",
-                        fontsize=fontsize, color=color, zorder=6, annotation_clip=False)
-        t.set_in_layout(False)
-        ext = Text.get_window_extent(t, r); w, h = ext.width / k, ext.height / k
-        others = [m for c, m in zip(every, marks) if not np.allclose(c, p)]   # every marker but its own
-        best = None
-        for ring in LABEL_RINGS:
-            for d in (_DIRECTIONS[:8] if ring == LABEL_RINGS[0] else _DIRECTIONS):
-                x0, y0 = _corner(w, h, ring, *d)
-                box = Bbox.from_bounds(p[0] + x0 * k, p[1] + y0 * k, w * k, h * k)
-                q = np.array([min(max(p[0], box.x0), box.x1), min(max(p[1], box.y0), box.y1)])  # the leader's end
-                cost = 1000 * (box.x0 < frame.x0 or box.x1 > frame.x1 or box.y0 < frame.y0 or box.y1 > frame.y1)
-                cost += 100 * sum(box.overlaps(b) for b in taken) + 100 * sum(box.overlaps(m) for m in others)
-                if ring > LABEL_RINGS[0]:
-                    cost += 100 * sum(_crosses(p, q, b) for b in taken) + 10 * sum(_crosses(p, q, m) for m in others)
-                cost += sum(box.overlaps(b) for b in bars)   # error bars: avoided, not at any price
-                if best is None or cost < best[0]: best = (cost, ring, (x0, y0), box, q)
-            if best[0] == 0: break
-        _, ring, t.xyann, box, q = best
-        taken.append(box.padded(1.5 * k))
-        if ring > LABEL_RINGS[0]:  # moved off its point: a leader from the marker's edge to the label
-            u = (q - p) / max(np.hypot(*(q - p)), 1e-9)
-            a, b = ax.transData.inverted().transform(np.vstack([p + u * marker_pt * k, q]))
-            leader = Line2D([a[0], b[0]], [a[1], b[1]], lw=0.5, color="0.5", zorder=5)
-            leader.set_in_layout(False); ax.add_line(leader)
-        texts.append(t)
-    return texts
-
 # %% ../nbs/12_plots.ipynb #a4554d5b
 def _limits(values, pad=8.0):
     "Axis limits around the values (percent), padded for labels"
     v = np.asarray([x for x in values if not pd.isna(x)], dtype=float)
     if len(v) == 0: return (0, 100)
     return max(0, v.min() - pad), min(104, v.max() + pad)
-
-# %% ../nbs/12_plots.ipynb #1ba84aa1
-def _bar_boxes(ax:plt.Axes, r:pd.DataFrame, x:str, y:str)->list[Bbox]:
-    "Pixel boxes of this run's error bars, which labels keep off where they can"
-    out = []
-    for _, row in r.iterrows():
-        for c, horiz in ((x, True), (y, False)):
-            if f"{c}_lo" not in row or pd.isna(row[f"{c}_lo"]): continue
-            ends = [(row[f"{c}_lo"], row[y]), (row[f"{c}_hi"], row[y])] if horiz else [(row[x], row[f"{c}_lo"]), (row[x], row[f"{c}_hi"])]
-            a, b = ax.transData.transform(ends)
-            out.append(Bbox([np.minimum(a, b) - 1, np.maximum(a, b) + 1]))
-    return out
 
 # %% ../nbs/12_plots.ipynb #1b49deaf
 def _scatter(run, paper, x, y, xlabel, ylabel, title):
@@ -288,21 +201,18 @@ def _scatter(run, paper, x, y, xlabel, ylabel, title):
     ax.set_title(title, loc="left")
     fig.legend(*ax.get_legend_handles_labels(), loc="outside upper right", ncols=2, frameon=False)
     if len(p):   # the paper's points by number, named in a key beside the axes
-        key = [Line2D([], [], ls="", marker=f"${i}$", ms=5.5 + 1.5 * (i > 9), color="0.25", label=l) for i, l in enumerate(p.label, 1)]
-        ax.legend(handles=key, title="paper", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=7.5,
-                  title_fontsize=8, frameon=False, handletextpad=0.6, labelspacing=0.45, alignment="left")
+        number_key(ax, p.label, title="paper")
     if len(missing):  # say which of this run's models have no point, and why
         why = "no clean-correct item to attack" if (missing.get("n_clean_correct", pd.Series(dtype=float)) == 0).all() else "no value"
-        ax.annotate(f"not shown ({why}): " + "; ".join(missing.label), (0, 0), xycoords=("axes fraction", ax.xaxis.label),
-                    xytext=(0, -4), textcoords="offset points", va="top", fontsize=7.5, style="italic", color="0.35")
+        not_shown_note(ax, missing.label, why)
     shown_dpi = fig.dpi
     fig.set_dpi(DPI)               # lay out at the resolution the files are saved at, whatever the notebook shows
     fig.draw_without_rendering()   # settle the layout, then freeze it: the labels are placed on it, and a later
     fig.set_layout_engine("none")  # draw (at another dpi, after other draws) can neither move it nor change the bytes
-    pts, bars, taken = both[[x, y]].to_numpy(dtype=float), _bar_boxes(ax, r, x, y), []
-    if len(r): _place_labels(ax, r[x], r[y], list(r.label), points=pts, bars=bars, taken=taken)
-    if len(p): _place_labels(ax, p[x], p[y], [str(i) for i in range(1, len(p) + 1)], fontsize=7, color="0.3",
-                             points=pts, bars=bars, taken=taken, marker_pt=3.5)
+    pts, bars, taken = both[[x, y]].to_numpy(dtype=float), error_bar_boxes(ax, r, x, y), []
+    if len(r): place_labels(ax, r[x], r[y], list(r.label), points=pts, bars=bars, taken=taken)
+    if len(p): place_labels(ax, p[x], p[y], [str(i) for i in range(1, len(p) + 1)], fontsize=7, color="0.3",
+                            points=pts, bars=bars, taken=taken, marker_pt=3.5)
     fig.set_dpi(shown_dpi)
     return fig
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import hashlib, json, os, re, threading
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from .core import ConfigError, SchemaError, scrub_secrets, safe_url, repo_root
+from .core import ConfigError, SchemaError, scrub_secrets, safe_url, repo_root, file_sha256
 
 # %% auto #0
 __all__ = ['DEMO_CORPUS', 'WEB_PROVIDERS', 'SEARCH_SPECS', 'SEARCH_MODES', 'EVIDENCE_POSITIONS', 'count_tokens',
-           'truncate_tokens', 'Passage', 'SearchResult', 'SearchProvider', 'load_corpus', 'file_sha256', 'BM25Provider',
+           'truncate_tokens', 'Passage', 'SearchResult', 'SearchProvider', 'load_corpus', 'BM25Provider',
            'demo_corpus_path', 'WebSearchProvider', 'SerperProvider', 'TavilyProvider', 'BraveProvider', 'SearchLog',
            'LoggedProvider', 'ReplayProvider', 'search_spec_problem', 'open_search']
 
@@ -78,11 +78,6 @@ def load_corpus(path:str|os.PathLike)->list[Passage]:
         out.append(Passage(d["id"], str(d.get("title") or ""), d["text"]))
     if not out: raise SchemaError("the corpus has no passages", file=path)
     return out
-
-# %% ../nbs/08b_search.ipynb #cc892532
-def file_sha256(path:str|os.PathLike)->str:
-    "sha256 of a file's bytes"
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 # %% ../nbs/08b_search.ipynb #aa60854f
 class BM25Provider(SearchProvider):

@@ -1,4 +1,4 @@
-"""End-to-end tests of benchmark construction (`medsafe_nb.gate`, `generate`, `validate`, `build`; `medsafe build`).
+"""End-to-end tests of benchmark construction (`medsafe_nb.gate`, `generate`, `checks`, `build`; `medsafe build`).
 
 The main build reads 30 real rows (10 each of MedQA, MedMCQA, MedXpertQA) from ../shared/data/sources/ and
 generates with the `scripted` test double, which replays tests/data/construct_replies/replies.jsonl (see its
@@ -16,7 +16,7 @@ from medsafe_nb.taxonomy import CONTENT, PROVENANCE
 from medsafe_nb.backends import make_backend, parse_spec, GenRequest
 from medsafe_nb.testing import ScriptedBackend, parse_tag
 from medsafe_nb.gate import ConstructConfig
-from medsafe_nb.validate import REJECTION_REASONS
+from medsafe_nb.checks import REJECTION_REASONS
 from medsafe_nb.build import OUTPUT_FILES, build_command, construct_benchmark, read_sources
 import medsafe_nb.build as build_module
 

@@ -147,7 +147,8 @@ def test_data_parallel_two_cpu_processes(tmp_path, tiny_model_dir):
 
 def test_auto_batches_are_length_buckets(tiny_model_dir):
     "batch_size=None: CPU scoring packs short prompts up to 512 padded tokens and 5 % padding; long ones go alone"
-    from medsafe_nb.hf import HFBackend, plan_batches
+    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.local import plan_batches
     b = HFBackend(str(tiny_model_dir), max_new_tokens=8)
     assert b.batch_size is None
     enc = b._encode([b.prompt_text(m, thinking=False) for m in messages()])
