@@ -8,7 +8,7 @@ import json, re
 from dataclasses import dataclass, field, fields, asdict, replace
 from typing import Any, Mapping
 from fastcore.basics import patch
-from .core import ConfigError, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, ENGINES, EFFORTS, PROMPTS, find_secret, safe_url
+from .core import is_int, ConfigError, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, ENGINES, EFFORTS, PROMPTS, find_secret, safe_url
 
 # %% auto #0
 __all__ = ['parse_model_args', 'RunConfig', 'field_problem', 'config_error']
@@ -95,8 +95,6 @@ class RunConfig:
     def __post_init__(self): self.check()
 
 # %% ../nbs/04a_config.ipynb #e283e104
-def _is_int(v)->bool: return isinstance(v, int) and not isinstance(v, bool)
-
 def field_problem(name:str, # a RunConfig field
                   value,    # its value
                  )->str|None: # what is wrong, or None
@@ -111,10 +109,10 @@ def field_problem(name:str, # a RunConfig field
         return f"unknown condition(s) {', '.join(bad)}; known: {', '.join(ALL_CONDITIONS)}" if bad else None
     if name == "model_args": return None if isinstance(value, (dict, str)) else "expected k=v,... or a mapping"
     if name == "reasoning_effort":
-        ok = value in EFFORTS or (_is_int(value) and value >= 0) or (isinstance(value, str) and value.isdigit())
+        ok = value in EFFORTS or (is_int(value) and value >= 0) or (isinstance(value, str) and value.isdigit())
         return None if ok else f"expected one of {', '.join(EFFORTS)} or a thinking-token budget (an integer)"
     # --- mitigations (issue 11): the search options (vocabularies in medsafe_nb.search, read only when asked) ---
-    if name in ("subset", "search_k", "max_tool_calls", "max_evidence_tokens"): return None if _is_int(value) and value >= 1 else "expected an integer >= 1"
+    if name in ("subset", "search_k", "max_tool_calls", "max_evidence_tokens"): return None if is_int(value) and value >= 1 else "expected an integer >= 1"
     if name == "search_timeout": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected seconds > 0"
     if name in ("search", "search_mode", "evidence_position") and isinstance(value, str):
         from medsafe_nb.search import search_spec_problem, SEARCH_MODES, EVIDENCE_POSITIONS
@@ -123,11 +121,11 @@ def field_problem(name:str, # a RunConfig field
         return None if value in known else f"unknown {name.replace('_', ' ')} {value!r}; known: {', '.join(known)}"
     # --- hardening (issue 13) ---
     if name == "timeout": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected seconds > 0"
-    if name == "max_retries": return None if _is_int(value) and value >= 0 else "expected an integer >= 0"
+    if name == "max_retries": return None if is_int(value) and value >= 0 else "expected an integer >= 0"
     if name == "max_error_rate": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 else "expected a share between 0 and 1"
     kind = str(f.type).split("|")[0].strip()
     if kind == "int":
-        if not _is_int(value): return "expected an integer"
+        if not is_int(value): return "expected an integer"
         if name in ("limit", "max_new_tokens", "batch_size", "concurrency") and value < 1: return "expected an integer >= 1"
         return None
     if kind == "bool": return None if isinstance(value, bool) else "expected true or false"

@@ -13,8 +13,9 @@ from urllib.parse import urlsplit, urlunsplit, parse_qsl, urlencode
 __all__ = ['SPLITS', 'CONDITIONS', 'EXTRA_CONDITIONS', 'ALL_CONDITIONS', 'STATUSES', 'SEARCH_STATUSES', 'SCORINGS', 'MITIGATIONS',
            'ENGINES', 'PROMPTS', 'EFFORTS', 'THINK_OPEN', 'THINK_CLOSE', 'SECRET_VALUES', 'SECRET_NAMES', 'SECRET_ENV',
            'MANIFEST', 'MedsafeError', 'ConfigError', 'SchemaError', 'LabelError', 'ValidationErrors', 'stable_hash',
-           'repo_root', 'atomic_write', 'strip_think', 'find_secret', 'secret_env_values', 'scrub_secrets', 'safe_url',
-           'file_sha256', 'write_manifest', 'check_manifest', 'clean_stale_tmp', 'LockedError', 'exclusive_lock']
+           'is_int', 'utc_now', 'repo_root', 'atomic_write', 'strip_think', 'find_secret', 'secret_env_values',
+           'scrub_secrets', 'safe_url', 'file_sha256', 'write_manifest', 'check_manifest', 'clean_stale_tmp',
+           'LockedError', 'exclusive_lock']
 
 # %% ../nbs/00_core.ipynb #0efe9831
 class MedsafeError(Exception):
@@ -86,6 +87,17 @@ EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning efforts, low
 def stable_hash(*parts)->int:
     "A 64-bit integer from sha256 of the parts joined by `|`: the same in every process and on every machine"
     return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "big")
+
+# %% ../nbs/00_core.ipynb #d1ba3884
+def is_int(v)->bool:
+    "An integer that is not a bool (YAML and JSON `true` must not pass for 1)"
+    return isinstance(v, int) and not isinstance(v, bool)
+
+# %% ../nbs/00_core.ipynb #660c89ed
+def utc_now()->str:
+    "The time now, UTC, to the second, as ISO 8601 (what run records and ledger rows keep)"
+    from datetime import datetime, timezone
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 # %% ../nbs/00_core.ipynb #4a80b523
 def repo_root()->Path|None:

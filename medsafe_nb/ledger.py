@@ -7,12 +7,11 @@ from __future__ import annotations
 import copy, hashlib, json, os, re, sqlite3, threading, time
 from collections import defaultdict
 from dataclasses import dataclass, fields, asdict
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from fastcore.basics import patch
 from tqdm import tqdm
-from .core import MedsafeError, ConfigError, atomic_write, find_secret, scrub_secrets
+from .core import MedsafeError, ConfigError, atomic_write, find_secret, scrub_secrets, utc_now
 from .backends import Backend, GenRequest, Generation, ScoreRequest, Scores, is_main_process
 
 # %% auto #0
@@ -164,7 +163,7 @@ class Ledger:
             c.execute("BEGIN IMMEDIATE")
             try:
                 for t in _TABLES: c.execute(t)
-                c.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('created_at', ?)", (str(LEDGER_VERSION), _now()))
+                c.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('created_at', ?)", (str(LEDGER_VERSION), utc_now()))
                 c.execute("COMMIT")
             except BaseException: c.execute("ROLLBACK"); raise
         row = c.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
@@ -185,8 +184,6 @@ class Ledger:
     def __contains__(self, key:str)->bool:
         with self._lock: return self._conn.execute("SELECT 1 FROM responses WHERE key=?", (key,)).fetchone() is not None
     def __repr__(self): return f"Ledger({str(self.path)!r}, rows={len(self)})"
-
-def _now()->str: return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 # %% ../nbs/09_ledger.ipynb #88452a6d
 @patch
@@ -221,7 +218,7 @@ def put(self:Ledger, identity:dict,   # `backend.identity()`
        )->str:                        # its key
     "Store one response (kept once: a key already present is left as it is)"
     key = request_key(assert_no_secrets(identity), op, payload)
-    self._insert([(key, op, str(identity.get("model", "")), canonical_json(identity), canonical_json(payload), _dump(result), _now())])
+    self._insert([(key, op, str(identity.get("model", "")), canonical_json(identity), canonical_json(payload), _dump(result), utc_now())])
     return key
 
 # %% ../nbs/09_ledger.ipynb #f55f54b1
@@ -283,7 +280,7 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
                 done.add(j); k = part[j]; pos = at[k]
                 res = _scrubbed(res)
                 if failed(res): n.errors += 1
-                elif write: n.stored += ledger._insert([(k, op, model, ident_json, payloads[pos[0]], _dump(res), _now())])
+                elif write: n.stored += ledger._insert([(k, op, model, ident_json, payloads[pos[0]], _dump(res), utc_now())])
                 results[pos[0]] = res
                 for i in pos[1:]: results[i] = copy.deepcopy(res)
                 n.shared += len(pos) - 1

@@ -11,7 +11,7 @@ from typing import Mapping
 
 import yaml
 
-from .core import ConfigError, find_secret, repo_root
+from .core import ConfigError, find_secret, repo_root, is_int
 from .config import RunConfig, config_error
 from .backends import parse_spec, MiniLMBackend
 from .testing import TINY_LABEL
@@ -196,8 +196,6 @@ class Params:
 ANALYSIS_KEYS = tuple(f.name for f in fields(Params) if "help" in f.metadata)
 
 # %% ../nbs/15_params.ipynb #ab5f0495
-def _is_int(v)->bool: return isinstance(v, int) and not isinstance(v, bool)
-
 def key_problem(name:str, # an analysis key (a Params field other than models)
                 value,    # its value
                )->str|None: # what is wrong, or None
@@ -205,8 +203,8 @@ def key_problem(name:str, # an analysis key (a Params field other than models)
     kind = Params.__dataclass_fields__[name].metadata["kind"]
     if kind == "path": return None if isinstance(value, str) and value.strip() else "expected a non-empty path"
     if kind == "text": return None if isinstance(value, str) else "expected a string ('' for none)"
-    if kind == "count": return None if _is_int(value) and value >= 0 else "expected an integer >= 0"
-    if kind == "positive?": return None if value is None or (_is_int(value) and value >= 1) else "expected an integer >= 1 or null"
+    if kind == "count": return None if is_int(value) and value >= 0 else "expected an integer >= 0"
+    if kind == "positive?": return None if value is None or (is_int(value) and value >= 1) else "expected an integer >= 1 or null"
     if kind == "launch": return None if value in LAUNCHES else f"unknown launch {value!r}; use {', '.join(LAUNCHES)}"
     return None
 

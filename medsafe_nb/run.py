@@ -6,12 +6,11 @@
 from __future__ import annotations
 import json, math, os, platform, subprocess, sys, time
 from dataclasses import asdict
-from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 import pandas as pd
 import medsafe_nb
-from .core import (MedsafeError, ConfigError, atomic_write, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, STATUSES,
+from .core import (utc_now, MedsafeError, ConfigError, atomic_write, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, STATUSES,
                              repo_root, scrub_secrets, safe_url, write_manifest, clean_stale_tmp, exclusive_lock, MANIFEST)
 from .schema import Item
 from .protocols import build_prompts, type1_target, EvalPrompt
@@ -274,8 +273,6 @@ def _out_dir(out:Path)->Path:
     return out
 
 # %% ../nbs/10_run.ipynb #e54a663a
-def _now()->str: return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
 def run(cfg:RunConfig|None=None, # the run (default: built from `options`)
         **options,               # RunConfig fields, when no `cfg` is given (or to override its fields)
        )->pd.DataFrame:
@@ -311,7 +308,7 @@ def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
     model = backend
     try: backend = search_backend(model, cfg, items, ledger_path)   # the search defence wraps the model (the same backend without it)
     except BaseException: model.close(); raise
-    started, t0 = _now(), time.time()
+    started, t0 = utc_now(), time.time()
     log = [] if cfg.log_prompts else None
     with backend, Ledger(ledger_path) as led:
         if getattr(model, "base_url", None): probe_server(getattr(model, "base_urls", [model.base_url]))
@@ -331,7 +328,7 @@ def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
               "structured_output": cfg.prompt == "paper" and cfg.structured is not False and bool(getattr(backend, "structured_output", False)),
               "engine": model.server.record() if cfg.engine == "vllm" else {"engine": "inprocess"},
               "search": search_record(backend), **(subset_record(items, cfg.subset, cfg.subset_seed) if cfg.subset else {}),
-              "ledger": str(ledger_path), "ledger_stats": served, "started_at": started, "finished_at": _now(),
+              "ledger": str(ledger_path), "ledger_stats": served, "started_at": started, "finished_at": utc_now(),
               "wall_s": round(time.time() - t0, 3), **provenance()}
     write_run(df, out, record)
     return df
