@@ -1,7 +1,7 @@
 """`make bench`: the speed of medsafe_nb against its peers and this machine's limits, as one table measured in one run.
 
 Setup (close to issue 12's): a random-weight Llama (hidden 512, head_dim 64, 4 layers and a 32,000-token vocabulary
-by default, on the tokenizer and chat template of `medsafe_nb.testing`'s tiny model), the sample's
+by default, on the tokenizer and chat template of `medsafe_nb.testing.doubles`'s tiny model), the sample's
 real prompts (clean, type1 and type2 of the first items), CPU, fp32. Every method runs once per round and the rounds
 interleave the methods, so a slow moment of this shared machine hits all of them; the table shows medians over the
 rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
@@ -79,7 +79,7 @@ def bench_model(layers:int, vocab:int)->Path:
     "The tiny chat model's tokenizer and template on a Llama of hidden 512, head_dim 64 (vLLM runs it), `vocab` output rows"
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from medsafe_nb.testing import build_tiny_model
+    from medsafe_nb.testing.doubles import build_tiny_model
     tmp = Path(tempfile.gettempdir())
     path = tmp / f"medsafe_bench_llama512_l{layers}_v{vocab}"
     if (path / "config.json").exists(): return path
@@ -95,9 +95,9 @@ def bench_model(layers:int, vocab:int)->Path:
 
 def setup(n_items:int, layers:int, vocab:int):
     from transformers.utils import logging as hf_logging
-    from medsafe_nb.data import load_medmisbench
+    from medsafe_nb.items.release import load_medmisbench
     from medsafe_nb.protocols import render_messages, type1_target
-    from medsafe_nb.testing import build_tiny_model
+    from medsafe_nb.testing.doubles import build_tiny_model
     hf_logging.disable_progress_bar()
     model = bench_model(layers, vocab)
     items = load_medmisbench()[:n_items]
@@ -182,8 +182,8 @@ def minimal_client(url, n, c): return asyncio.run(_minimal(url, n, c))
 
 
 def toolkit_client(url, n, c):
-    from medsafe_nb.openai_compat import OpenAIBackend
-    from medsafe_nb.backends import GenRequest
+    from medsafe_nb.models.openai import OpenAIBackend
+    from medsafe_nb.models.base import GenRequest
     out = list(OpenAIBackend("mock-model", base_url=url, concurrency=c).generate([GenRequest(tuple(api_messages(i))) for i in range(n)]))
     bad = sum(g.finish_reason == "error" for _, g in out)
     if bad: raise RuntimeError(f"toolkit client: {bad} errors")
@@ -218,8 +218,8 @@ def main():
     t_start = time.perf_counter()
     import torch
     if args.threads: torch.set_num_threads(args.threads)
-    from medsafe_nb.backends import GenRequest, ScoreRequest
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.base import GenRequest, ScoreRequest
+    from medsafe_nb.models.hf import HFBackend
     model, msgs = setup(-(-max(args.prompts, args.gen_prompts) // 3), args.layers, args.vocab)
     score_msgs, gen_msgs = msgs[:args.prompts], msgs[:args.gen_prompts]
     fast = HFBackend(str(model), max_new_tokens=args.new_tokens)          # the defaults
@@ -296,7 +296,7 @@ def main():
 
 
 def bench_api(levels, rounds, delay=0.05):
-    server = subprocess.Popen([sys.executable, "-m", "medsafe_nb.mockserver", "--port", "0", "--quiet", "--delay", str(delay)],
+    server = subprocess.Popen([sys.executable, "-m", "medsafe_nb.testing.mockserver", "--port", "0", "--quiet", "--delay", str(delay)],
                               stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().split(" at ")[1].split(" ")[0]
@@ -325,7 +325,7 @@ def bench_api(levels, rounds, delay=0.05):
 
 
 def bench_vllm(model, fast, score_reqs, gen_reqs, rounds):
-    from medsafe_nb.engine import find_vllm_python, vllm_backend
+    from medsafe_nb.models.vllm import find_vllm_python, vllm_backend
     try: find_vllm_python()
     except Exception as e:
         print(f"vLLM: not measured ({e})"); return []

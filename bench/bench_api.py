@@ -11,8 +11,8 @@ CPU at most 1.2x, throughput at least 0.9x).
 """
 import argparse, asyncio, importlib, statistics, subprocess, sys, time
 
-from medsafe_nb.openai_compat import OpenAIBackend
-from medsafe_nb.backends import GenRequest
+from medsafe_nb.models.openai import OpenAIBackend
+from medsafe_nb.models.base import GenRequest
 
 
 def api_messages(i): return [{"role": "user", "content": f"Case {i}.\nWhich?\nA. yes\nB. no\nC. maybe"}]
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--concurrency", default="1,4,16,64,256", help="comma-separated levels")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    server = subprocess.Popen([sys.executable, "-m", "medsafe_nb.mockserver", "--port", "0", "--quiet", "--delay", str(args.delay)],
+    server = subprocess.Popen([sys.executable, "-m", "medsafe_nb.testing.mockserver", "--port", "0", "--quiet", "--delay", str(args.delay)],
                               stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().split(" at ")[1].split(" ")[0]

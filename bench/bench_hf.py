@@ -10,11 +10,11 @@ import argparse, os, sys, tempfile, time
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
-from medsafe_nb.backends import GenRequest, ScoreRequest, make_backend
-from medsafe_nb.hf import HFBackend
+from medsafe_nb.models.base import GenRequest, ScoreRequest, make_backend
+from medsafe_nb.models.hf import HFBackend
 from medsafe_nb.protocols import render_messages, type1_target
-from medsafe_nb.schema import Item
-from medsafe_nb.testing import build_tiny_model
+from medsafe_nb.items.schema import Item
+from medsafe_nb.testing.doubles import build_tiny_model
 
 N, NEW_TOKENS, BATCHES = 64, 32, (1, 8, 32)
 DRUGS = ["Lisinopril", "Hydrochlorothiazide", "Amlodipine", "Metoprolol", "Spironolactone", "Losartan"]

@@ -5,8 +5,8 @@ Run: .venv/bin/python bench/bench_ledger.py   (prints a table; nothing is assert
 import hashlib, random, sys, tempfile, time
 from pathlib import Path
 
-from medsafe_nb.backends import Backend, GenRequest, Generation
-from medsafe_nb.ledger import Ledger, cached_generate, canonical_json, request_payload, _key, _dump, _now
+from medsafe_nb.models.base import Backend, GenRequest, Generation
+from medsafe_nb.run.ledger import Ledger, cached_generate, canonical_json, request_payload, _key, _dump, _now
 
 IDENTITY = {"kind": "bench", "model": "instant", "temperature": 0, "max_new_tokens": 2048}
 SYSTEM = "You are a medical expert. Answer the multiple-choice question. " * 4   # ~250 characters, like the real prompts

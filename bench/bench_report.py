@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 from medsafe_nb import report
-from medsafe_nb.run import run
+from medsafe_nb.run.runner import run
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",

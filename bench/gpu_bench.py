@@ -3,7 +3,7 @@
 On one GPU (H200: torch 2.11, transformers 5.17, accelerate 1.15; no network, no vLLM), in under 8 minutes:
 - the bf16 matmul peak and the copy bandwidth of this device, measured first;
 - a random model of Llama-3-8B's shape (vocab 128,256, hidden 4,096, 32 layers, GQA 32/8, MLP 14,336), written
-  once to a temporary folder with the tiny tokenizer of medsafe_nb.testing, so the sample's prompts have the
+  once to a temporary folder with the tiny tokenizer of medsafe_nb.testing.doubles, so the sample's prompts have the
   lengths the CPU measurements of issue 12 used;
 - letter-logprob scoring over every sample prompt through HFBackend (its default batch): prompts/s and MFU
   (useful FLOPs: linear layers at every prompt token, causal attention, the LM head at the last position only);
@@ -56,7 +56,7 @@ def copy_bandwidth(dev, nbytes):
 def build_model(folder, shape, dtype, dev):
     "A random Llama of `shape` with the tiny tokenizer, saved to `folder`; returns (non-embedding params, weight bytes)"
     from transformers import LlamaConfig, LlamaForCausalLM, GenerationConfig
-    from medsafe_nb.testing import build_tiny_model
+    from medsafe_nb.testing.doubles import build_tiny_model
     tok_dir = build_tiny_model(Path(folder).parent / "tiny-tokenizer")
     tiny_cfg = json.loads((tok_dir / "config.json").read_text())
     cfg = LlamaConfig(**shape, max_position_embeddings=8192, eos_token_id=tiny_cfg["eos_token_id"],
@@ -100,10 +100,10 @@ def main():
 
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    from medsafe_nb.data import load_medmisbench
+    from medsafe_nb.items.release import load_medmisbench
     from medsafe_nb.protocols import build_prompts
-    from medsafe_nb.backends import GenRequest, ScoreRequest
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.base import GenRequest, ScoreRequest
+    from medsafe_nb.models.hf import HFBackend
     work = Path(tempfile.mkdtemp(prefix="medsafe-gpu-"))
     try:
         t0 = time.perf_counter()

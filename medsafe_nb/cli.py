@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 import typer
 from .core import MedsafeError
-from .config import RunConfig
+from .run.config import RunConfig
 
 # %% auto #0
 __all__ = ['app', 'COMPACT', 'review_app', 'export_app', 'compact_table1', 'validate', 'run_options', 'run_cmd', 'run_summary',
@@ -56,7 +56,7 @@ def compact_table1(t1,          # a Table 1 (`metrics.table1`): values with *_lo
 @app.command()
 def validate(path:str=typer.Argument(..., help="release file or folder (.jsonl/.json/.csv/.parquet), or 'sample'")):
     "Check a benchmark file: counts by split × content × provenance, or every bad row with file:line:field"
-    from medsafe_nb.data import validate_report
+    from medsafe_nb.items.release import validate_report
     ok, report = validate_report(path)
     typer.echo(report, err=not ok)
     if not ok: raise typer.Exit(1)
@@ -90,7 +90,7 @@ def run_cmd(**options):
 
     Exit codes: 0 all rows answered; 1 everything written, but rows ended in error or the non-ok share exceeds
     --max-error-rate; 2 bad input or configuration; 3 no server at --base-url, or the server stopped answering."""
-    from medsafe_nb.run import run, run_outcome, ServerUnavailable, EXIT_UNAVAILABLE
+    from medsafe_nb.run.runner import run, run_outcome, ServerUnavailable, EXIT_UNAVAILABLE
     revision = options.pop("revision", None)
     if revision is not None:
         typer.echo("medsafe run: --revision is deprecated (it named the data's revision); use --data-revision", err=True)
@@ -100,7 +100,7 @@ def run_cmd(**options):
         df = run(cfg)
     except ServerUnavailable as e: _fail(e, EXIT_UNAVAILABLE)
     except MedsafeError as e: _fail(e)
-    from medsafe_nb.backends import is_main_process
+    from medsafe_nb.models.base import is_main_process
     if is_main_process(): typer.echo(run_summary(df, cfg))              # data-parallel ranks print nothing twice
     code, why = run_outcome(df, cfg.max_error_rate)
     if code: typer.echo(f"medsafe run: {why}", err=True); raise typer.Exit(code)
@@ -111,10 +111,10 @@ app.command("run")(run_cmd)
 # %% ../nbs/14_cli.ipynb #48e44567
 def run_summary(df, cfg:RunConfig)->str:
     "What `medsafe run` prints at the end: where the table went, status counts, and the run's Table 1 row with intervals"
-    from medsafe_nb.paper_tables import table1
+    from medsafe_nb.metrics.paper import table1
     lines = [f"{df['model'].iloc[0] if len(df) else cfg.model}: {df['item_id'].nunique()} items, {len(df)} rows -> {cfg.out}/predictions.parquet",
              "statuses: " + ", ".join(f"{s} {n}" for s, n in df["status"].value_counts().items())]
-    from medsafe_nb.run import first_errors
+    from medsafe_nb.run.runner import first_errors
     lines += [f"  error: {m}" for m in first_errors(df)]
     scope = "clean-correct only" if cfg.only_clean_correct else "all items"      # as `metrics.read_predictions` reads it from run.json
     try: lines.append(compact_table1(table1(df.assign(scope=scope), n_boot=1000, seed=cfg.seed)))
@@ -130,9 +130,9 @@ def metrics(run_dirs:List[str]=typer.Argument(..., help="one or more run folders
             mean_over:str=typer.Option("all", help="Mean row over models: all (same items required) | shared (shared items, labelled)"),
             allow_errors:bool=typer.Option(False, "--allow-errors", help="count rows that ended in error as wrong answers (default: refuse such runs)")):
     "Table 1 (accuracy, ASR, TASR with 95% CIs), breakdowns and McNemar tests from run folders"
-    from medsafe_nb.metrics_io import write_metrics
+    from medsafe_nb.metrics.io import write_metrics
     import warnings
-    from medsafe_nb.metrics import MetricsWarning
+    from medsafe_nb.metrics.core import MetricsWarning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MetricsWarning)
         try: tables, files = write_metrics(run_dirs, out, n_boot=n_boot, seed=seed, mean_over=mean_over, allow_errors=allow_errors)
@@ -158,7 +158,7 @@ def build(source:str=typer.Option(..., help="KIND:PATH of a question pool (kinds
           assign:str=typer.Option("balanced", "--assign", help="composition policy: balanced (least-used content and framing) or natural (the gate's most applicable content; framings drawn to target shares)"),
           provenance_targets:Optional[str]=typer.Option(None, "--provenance-targets", help="with --assign natural: Neutral,Patient,Authority shares (default: the paper's 31.4,32.4,36.3)")):
     "Build a misleading-context benchmark from raw question pools (gate → generation → validation → export); resumable"
-    from medsafe_nb.build import build_command
+    from medsafe_nb.construct.build import build_command
     try: rec = build_command(source=source, generator=generator, out=out, limit=limit, seed=seed, base_url=base_url, verifier=verifier,
                              verifier_base_url=verifier_base_url, retries=retries, wave_size=wave_size, max_new_tokens=max_new_tokens, progress=progress,
                              assign=assign, provenance_targets=provenance_targets)
@@ -172,8 +172,8 @@ def audit(data:str=typer.Argument("sample", help="release file or folder, 'sampl
           margin:float=typer.Option(10.0, help="flag a shortcut that beats chance by more than this many points"),
           strict:bool=typer.Option(True, "--strict/--no-strict", help="exit 1 when a shortcut is flagged")):
     "Artefact audit: can a model answer Type 2 from sentence length, authority or overlap cues alone?"
-    from medsafe_nb.audit import audit as audit_items, audit_report
-    from medsafe_nb.data import load_medmisbench
+    from medsafe_nb.items.audit import audit as audit_items, audit_report
+    from medsafe_nb.items.release import load_medmisbench
     try:
         items = load_medmisbench("all", data)
         typer.echo(audit_report(items, out=out, margin=margin))
@@ -188,7 +188,7 @@ def figures(params:str=typer.Option(..., "--params", "-p", help="params file (nb
             only:Optional[str]=typer.Option(None, help="notebooks to run, e.g. 02,04 (default: all, in order)"),
             kernel:str=typer.Option("python3", help="Jupyter kernel")):
     "Run the analysis notebooks (nbs/analysis) with papermill and write every table and figure (`make figures`)"
-    from medsafe_nb.figures import execute_analysis
+    from medsafe_nb.figures.notebooks import execute_analysis
     try: execute_analysis(params, [n.strip() for n in only.split(",") if n.strip()] if only else None, kernel=kernel)
     except MedsafeError as e: _fail(e, 1)
 
@@ -206,7 +206,7 @@ def review_export(run_dirs:List[str]=typer.Argument(..., help="run folders (meds
                   overlap:int=typer.Option(0, "--overlap", help="cases every rater gets, for agreement"),
                   seed:int=typer.Option(0, "--seed", help="sampling, code and order seed")):
     "Write a blinded review packet: one self-contained HTML file and one CSV form per rater, and the manifest"
-    from medsafe_nb.packet import export_packet
+    from medsafe_nb.review.packet import export_packet
     try: man = export_packet(run_dirs, kind, n, raters, out, overlap=overlap, seed=seed)
     except MedsafeError as e: _fail(e)
     typer.echo(f"packet {man['packet']}: {len(man['cases'])} {kind} cases; " + ", ".join(f"{r}: {len(c)}" for r, c in man["assignment"].items()))
@@ -217,7 +217,7 @@ def review_export(run_dirs:List[str]=typer.Argument(..., help="run folders (meds
 def review_import(files:List[str]=typer.Argument(..., help="rating files: JSON exports or CSV forms"),
                   packet:str=typer.Option(..., "--packet", help="the packet folder")):
     "Validate rating files, keep them unchanged in PACKET/received, and merge them into PACKET/ratings.csv"
-    from medsafe_nb.ratings import import_ratings
+    from medsafe_nb.review.ratings import import_ratings
     try: table = import_ratings(files, packet)
     except MedsafeError as e: _fail(e)
     typer.echo(f"{len(table)} ratings from {table.rater.nunique()} rater(s) -> {packet}/ratings.csv")
@@ -229,7 +229,7 @@ def review_report_cmd(packet:str=typer.Option(..., "--packet", help="the packet 
                       n_boot:int=typer.Option(1000, "--n-boot", help="bootstrap resamples for the 95% intervals"),
                       seed:int=typer.Option(0, "--seed", help="bootstrap seed")):
     "Quality composite, harm tiers, κ, α and the adjudication list, beside the paper's numbers"
-    from medsafe_nb.agreement import review_report
+    from medsafe_nb.review.agreement import review_report
     try: tables = review_report(packet, out, n_boot=n_boot, seed=seed)
     except MedsafeError as e: _fail(e)
     typer.echo(f"wrote {', '.join(sorted(tables))} to {out}")
@@ -242,7 +242,7 @@ def review_judge(packet:str=typer.Argument(..., help="the packet folder"),
                  ledger:Optional[str]=typer.Option(None, help="response ledger (default PACKET/judge/ledger.sqlite)"),
                  max_new_tokens:int=typer.Option(512, help="output cap per case")):
     "Let a model fill the form as a triage aid (written to PACKET/judge/, never mixed into clinician numbers)"
-    from medsafe_nb.judge import judge_packet
+    from medsafe_nb.review.judge import judge_packet
     try: path = judge_packet(packet, model, ledger=ledger, base_url=base_url, max_new_tokens=max_new_tokens)
     except MedsafeError as e: _fail(e)
     typer.echo(f"LLM judge ratings (triage aid, not clinician ratings) -> {path}")

@@ -74,7 +74,7 @@ SEARCH_STATUSES = ("ok", "no_evidence", "evidence_limit", "tool_limit", "search_
 
 # %% ../nbs/00_core.ipynb #18bb297e
 SCORINGS = ("generate", "logprob")                     # free reply and extraction, or option-key log-probabilities
-MITIGATIONS = ("none", "warning", "search", "warning+search")  # defences a run can switch on (issue 11: search, see medsafe_nb.mitigate)
+MITIGATIONS = ("none", "warning", "search", "warning+search")  # defences a run can switch on (issue 11: search, see medsafe_nb.mitigate.defences)
 ENGINES = ("inprocess", "vllm")                        # how an hf: model runs: in this process, or behind a vLLM server
 
 # %% ../nbs/00_core.ipynb #8f7cbb79

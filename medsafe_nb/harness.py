@@ -30,7 +30,7 @@ def harness_prompts(data:str="sample",        # `sample`, `hf`, or a path to a r
                    )->tuple[list, dict]:      # (EvalPrompts, items by id)
     "The benchmark's prompts for a harness, built by `protocols.build_prompts`"
     import inspect as _inspect
-    from medsafe_nb.data import load_medmisbench
+    from medsafe_nb.items.release import load_medmisbench
     from medsafe_nb.protocols import build_prompts
     conds = [c.strip() for c in str(condition).split(",") if c.strip()]
     bad = [c for c in conds if c not in _core.ALL_CONDITIONS]
@@ -69,8 +69,8 @@ def _table1_metric(column:str):
     from inspect_ai.scorer import metric
     def factory():
         def compute(scores:list)->float:   # annotated (not list[Score]), so inspect passes SampleScores
-            from medsafe_nb.metrics import MetricsError
-            from medsafe_nb.paper_tables import table1
+            from medsafe_nb.metrics.core import MetricsError
+            from medsafe_nb.metrics.paper import table1
             preds = scores_to_predictions(scores)
             try: v = table1(preds, n_boot=0)[column].iloc[0] if len(preds) else float("nan")
             except MetricsError: v = float("nan")
@@ -86,9 +86,9 @@ def medmisbench_scorer(prompts:dict,          # sample id -> EvalPrompt
                       ):
     "An inspect scorer: our extraction and `run.judge` per sample, Table 1's accuracy, ASR and TASR as metrics"
     from inspect_ai.scorer import scorer, Score, CORRECT, INCORRECT
-    from medsafe_nb.backends import Generation
+    from medsafe_nb.models.base import Generation
     from medsafe_nb.extract import extract_answer_detail
-    from medsafe_nb.run import judge
+    from medsafe_nb.run.runner import judge
     names = [f"{c}_acc" for c in conditions if c in _core.CONDITIONS]
     names += [m for c in conditions if c in ("type1", "type2") and "clean" in conditions
               for m in ([f"{c}_asr", f"{c}_tasr"] if c == "type1" else [f"{c}_asr"])]

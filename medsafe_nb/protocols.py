@@ -6,7 +6,7 @@
 from __future__ import annotations
 from dataclasses import dataclass
 from .core import ConfigError, SchemaError, CONDITIONS, ALL_CONDITIONS, MITIGATIONS, PROMPTS, stable_hash
-from .schema import Item
+from .items.schema import Item
 
 # %% auto #0
 __all__ = ['ANSWER_PREFIX', 'SYSTEM', 'WARNING', 'CONTEXT_LABELS', 'QUESTION_LABELS', 'OPTIONS_LABELS',

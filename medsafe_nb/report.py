@@ -12,13 +12,13 @@ import numpy as np
 import pandas as pd
 
 from .core import MedsafeError, ConfigError, ALL_CONDITIONS, STATUSES, atomic_write
-from .metrics import MetricsError, KEY_COLUMNS, clean_correct
-from .metrics_io import read_predictions
-from .paper_tables import table1, breakdowns, cross_breakdown
+from .metrics.core import MetricsError, KEY_COLUMNS, clean_correct
+from .metrics.io import read_predictions
+from .metrics.paper import table1, breakdowns, cross_breakdown
 from .extract import extract_answer_detail
 from .protocols import build_prompts
-from .backends import GenRequest, ScoreRequest
-from .ledger import request_key, request_payload
+from .models.base import GenRequest, ScoreRequest
+from .run.ledger import request_key, request_payload
 
 # %% auto #0
 __all__ = ['TABLE1_SHOWN', 'TABLE1_HEADINGS', 'BROWSER_COLUMNS', 'read_run', 'flipped_rows', 'row_prompts', 'answer_methods',
@@ -49,7 +49,7 @@ def flipped_rows(preds:pd.DataFrame, # a predictions table
 # %% ../nbs/17_report.ipynb #5d3b43be
 def _run_items(record:dict)->dict|None:
     "The run's items by id (loaded as the run loaded them), or None when they cannot be loaded here"
-    from medsafe_nb.data import load_medmisbench
+    from medsafe_nb.items.release import load_medmisbench
     try: items = load_medmisbench(record.get("config") or "all", record.get("data") or "sample",
                                   revision=record.get("data_revision", record.get("revision")))
     except (MedsafeError, OSError): return None
@@ -253,7 +253,7 @@ def report_figures(preds:pd.DataFrame,       # the predictions of every run
                   )->list[tuple[str, str|None, str]]: # (name, data URI or None, why absent)
     "The plots module's figures for these runs, as PNG data URIs"
     import matplotlib.pyplot as plt
-    from medsafe_nb import plots
+    from medsafe_nb.figures import plots
     paper = paper or {}
     makers = {"accuracy_by_condition": lambda: plots.plot_accuracy_by_condition(t1, paper.get("table1")),
               "asr_vs_clean": lambda: plots.plot_asr_vs_clean(t1, paper.get("table1")),
@@ -458,7 +458,7 @@ def write_report(run_dirs:Sequence[str|Path]|str|Path, # one or more run folders
                  title:str="MedMisBench report",        # page title
                 )->Path:                                # the file written
     "Write one self-contained offline HTML report: Table 1 beside the paper, breakdowns, figures and a row browser"
-    from medsafe_nb.plots import paper_reference
+    from medsafe_nb.figures.plots import paper_reference
     if isinstance(run_dirs, (str, Path)): run_dirs = [run_dirs]
     if not run_dirs: raise ConfigError("report: give at least one run folder")
     preds, data = browser_rows(run_dirs, prompts=prompts)

@@ -4,8 +4,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    "A tiny random-weight Llama chat model (medsafe_nb.testing), built once per session: a chance-level control"
-    from medsafe_nb.testing import build_tiny_model
+    "A tiny random-weight Llama chat model (medsafe_nb.testing.doubles), built once per session: a chance-level control"
+    from medsafe_nb.testing.doubles import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
@@ -13,7 +13,7 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_backend(tiny_model_dir):
     "An HFBackend on the tiny model (CPU, fp32, greedy, batch size 4), loaded once per session"
     from transformers.utils import logging as hf_logging
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.hf import HFBackend
     hf_logging.disable_progress_bar()
     b = HFBackend(str(tiny_model_dir), batch_size=4, max_new_tokens=8)
     yield b
@@ -23,7 +23,7 @@ def tiny_backend(tiny_model_dir):
 @pytest.fixture(scope="session")
 def minilm_run_dir(tmp_path_factory):
     "A run of the MiniLM baseline on the first 24 sample items (all three conditions), made once per session"
-    from medsafe_nb.run import run
+    from medsafe_nb.run.runner import run
     out = tmp_path_factory.mktemp("minilm") / "run"
     run(model="minilm", data="sample", out=str(out), limit=24, progress=False)
     return out

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from medsafe_nb import analysis, figures, launch, params
+from medsafe_nb.figures import tables as analysis; from medsafe_nb.figures import notebooks as figures; from medsafe_nb.run import launch; from medsafe_nb.run import params
 from medsafe_nb.core import ConfigError
 
 pytestmark = pytest.mark.integration   # real components end to end: `make test-integration`
@@ -60,7 +60,7 @@ def test_committed_params_load():
     assert (demo.runs_dir, demo.run.ledger) == ("data/runs/demo", "data/runs/demo/ledger.sqlite")
     assert smoke.run.limit and smoke.run.limit <= 10 and smoke.n_boot <= 100
     assert not Path(smoke.figures_dir).resolve().is_relative_to((ROOT / "figures").resolve())
-    from medsafe_nb.plots import paper_reference
+    from medsafe_nb.figures.plots import paper_reference
     ref = paper_reference()["table1"]
     assert [m.label for m in paper.models] == [l for l in ref.label if l != "Mean"]
     assert paper.run.data == "hf" and paper.run.only_clean_correct is False and paper.run.conditions == ("clean", "type1", "type2")
@@ -70,7 +70,7 @@ def test_committed_params_load():
 def test_demo_defaults_agree_with_medsafe_metrics():
     "`medsafe metrics` with its defaults reproduces the demo's table: same n_boot and seed as write_metrics' defaults"
     import inspect
-    from medsafe_nb.metrics_io import write_metrics
+    from medsafe_nb.metrics.io import write_metrics
     sig = inspect.signature(write_metrics).parameters
     demo = params.load_params(PARAMS / "demo.yaml")
     assert (demo.n_boot, demo.run.seed) == (sig["n_boot"].default, sig["seed"].default)

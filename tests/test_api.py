@@ -6,15 +6,15 @@ Start a server in any test the same way: `with MockServer(policy=..., faults=...
 import asyncio, math, os, subprocess, sys, threading
 import pytest
 
-from medsafe_nb.api import MissingExtra
+from medsafe_nb.models.http import MissingExtra
 from medsafe_nb.core import scrub_secrets
-from medsafe_nb.openai_compat import OpenAIBackend
-from medsafe_nb.providers import AnthropicBackend, GeminiBackend
-from medsafe_nb.backends import GenRequest, Generation, ScoreRequest, make_backend
-from medsafe_nb.mockserver import MockServer, FaultPlan, Fault, choose_context
+from medsafe_nb.models.openai import OpenAIBackend
+from medsafe_nb.models.providers import AnthropicBackend, GeminiBackend
+from medsafe_nb.models.base import GenRequest, Generation, ScoreRequest, make_backend
+from medsafe_nb.testing.mockserver import MockServer, FaultPlan, Fault, choose_context
 from medsafe_nb.protocols import render_messages, build_prompts, ANSWER_PREFIX
 from medsafe_nb.core import ConfigError
-from medsafe_nb.schema import item_from_record
+from medsafe_nb.items.schema import item_from_record
 
 ITEM = item_from_record({
     "id": "t-ht-1", "question": "A 58-year-old man with type 2 diabetes and albuminuria has a blood pressure of 150/95 mmHg. Which drug first?",
@@ -241,7 +241,7 @@ def test_optional_sdks_are_import_guarded(monkeypatch):
 
 
 def test_mock_server_from_the_command_line():
-    proc = subprocess.Popen([sys.executable, "-m", "medsafe_nb.mockserver", "--port", "0", "--policy", "first", "--quiet"],
+    proc = subprocess.Popen([sys.executable, "-m", "medsafe_nb.testing.mockserver", "--port", "0", "--policy", "first", "--quiet"],
                             stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().split(" at ")[1].split(" ")[0]
@@ -303,7 +303,7 @@ def test_lean_and_sdk_clients_agree(server, monkeypatch, mode):
     "The lean client (default for a base_url) and the openai SDK send identical bodies and give identical results"
     from dataclasses import replace
     from medsafe_nb.protocols import build_prompts
-    from medsafe_nb.backends import ScoreRequest
+    from medsafe_nb.models.base import ScoreRequest
     key = "sk-" "lean-vs-sdk-0000000000"
     monkeypatch.setenv("MEDSAFE_TEST_KEY", key)
     def through(client):

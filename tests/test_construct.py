@@ -1,4 +1,4 @@
-"""End-to-end tests of benchmark construction (`medsafe_nb.gate`, `generate`, `checks`, `build`; `medsafe build`).
+"""End-to-end tests of benchmark construction (`medsafe_nb.construct.gate`, `generate`, `checks`, `build`; `medsafe build`).
 
 The main build reads 30 real rows (10 each of MedQA, MedMCQA, MedXpertQA) from ../shared/data/sources/ and
 generates with the `scripted` test double, which replays tests/data/construct_replies/replies.jsonl (see its
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from medsafe_nb.core import ConfigError, MedsafeError
-from medsafe_nb.schema import Item, read_items
-from medsafe_nb.taxonomy import CONTENT, PROVENANCE
-from medsafe_nb.backends import make_backend, parse_spec, GenRequest
-from medsafe_nb.testing import ScriptedBackend, parse_tag
-from medsafe_nb.gate import ConstructConfig
-from medsafe_nb.checks import REJECTION_REASONS
-from medsafe_nb.build import OUTPUT_FILES, build_command, construct_benchmark, read_sources
-import medsafe_nb.build as build_module
+from medsafe_nb.items.schema import Item, read_items
+from medsafe_nb.items.taxonomy import CONTENT, PROVENANCE
+from medsafe_nb.models.base import make_backend, parse_spec, GenRequest
+from medsafe_nb.testing.doubles import ScriptedBackend, parse_tag
+from medsafe_nb.construct.gate import ConstructConfig
+from medsafe_nb.construct.checks import REJECTION_REASONS
+from medsafe_nb.construct.build import OUTPUT_FILES, build_command, construct_benchmark, read_sources
+import medsafe_nb.construct.build as build_module
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = REPO.parent / "shared" / "data" / "sources"
@@ -130,7 +130,7 @@ def test_outputs_validate_and_agree(built):
         assert set(it.contexts) == set(it.options) and it.content and it.provenance
         assert it.split in ("MEDMISQA", "MEDMISMCQA", "MEDMISXPERTQA")
     assert "{opt:" not in (out / "benchmark.jsonl").read_text()
-    data = pytest.importorskip("medsafe_nb.data")
+    data = pytest.importorskip("medsafe_nb.items.release")
     ok, report = data.validate_report(str(out / "benchmark.jsonl"))
     assert ok, report
     from datasets import load_from_disk
@@ -182,7 +182,7 @@ def test_rerun_resumes_from_the_ledger_without_new_calls(built, tmp_path):
     out, first = built
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    from medsafe_nb.ledger import Ledger
+    from medsafe_nb.run.ledger import Ledger
     with Ledger(copy / "ledger.sqlite") as led: rows = len(led)
     asked = []
     orig = ScriptedBackend.generate
@@ -247,7 +247,7 @@ def test_chinese_items_get_chinese_prompts_and_character_bounds(tmp_path):
     items = read_items(tmp_path / "zh" / "benchmark.jsonl")
     assert items[0].language == "zh" and items[0].split == "MEDMISJOURNEY" and items[0].gold == ("2",)
     assert items[0].contexts["2"].endswith("属于公认的诊断依据。") and "原发性甲状腺功能减退症" in items[0].contexts["2"]
-    from medsafe_nb.ledger import Ledger
+    from medsafe_nb.run.ledger import Ledger
     with Ledger(tmp_path / "zh" / "ledger.sqlite") as led:
         users = [r["request"]["messages"][1]["content"] for r in led.rows()]
     assert users and all("只回复一个 JSON 对象" in u for u in users)

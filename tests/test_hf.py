@@ -6,9 +6,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medsafe_nb.backends import GenRequest, ScoreRequest, make_backend
+from medsafe_nb.models.base import GenRequest, ScoreRequest, make_backend
 from medsafe_nb.protocols import render_messages, type1_target
-from medsafe_nb.schema import Item
+from medsafe_nb.items.schema import Item
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_per_request_caps_and_determinism(tiny_backend):
 
 
 def test_batching_does_not_change_greedy_text(tiny_model_dir, tiny_backend):
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.hf import HFBackend
     reqs = [GenRequest(m) for m in messages()]
     batched = {i: g.text for i, g in tiny_backend.generate(reqs)}
     single = {i: g.text for i, g in HFBackend(str(tiny_model_dir), batch_size=1, max_new_tokens=8).generate(reqs)}
@@ -76,7 +76,7 @@ def test_score(tiny_backend):
 
 
 def test_thinking_switch_changes_prompt(tiny_model_dir):
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.hf import HFBackend
     m = messages(("clean",))[0]
     on, off = (HFBackend(str(tiny_model_dir), thinking=t) for t in (True, False))
     assert on.prompt_text(m, on.thinking) != off.prompt_text(m, off.thinking)
@@ -95,8 +95,8 @@ import json, os, sys
 from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from medsafe_nb.hf import HFBackend
-from medsafe_nb.backends import GenRequest, ScoreRequest, is_main_process
+from medsafe_nb.models.hf import HFBackend
+from medsafe_nb.models.base import GenRequest, ScoreRequest, is_main_process
 from test_hf_items import messages, items
 from medsafe_nb.protocols import render_messages
 b = HFBackend(sys.argv[1], batch_size=2, max_new_tokens=6)
@@ -106,6 +106,7 @@ out = {"rank": int(os.environ.get("RANK", 0)), "world": int(os.environ.get("WORL
 with open(f"{sys.argv[2]}.rank{out['rank']}.json", "w") as f: json.dump(out, f)
 if is_main_process():
     with open(sys.argv[2], "w") as f: json.dump(out, f)
+b.close()                                            # leaves the process group before the interpreter exits
 '''
 
 
@@ -113,7 +114,7 @@ if is_main_process():
 def test_data_parallel_two_cpu_processes(tmp_path, tiny_model_dir):
     "torchrun --nproc_per_node 2 (gloo): every index once on every rank, the same texts as one process"
     import inspect
-    (tmp_path / "test_hf_items.py").write_text("from medsafe_nb.schema import Item\nfrom medsafe_nb.protocols import render_messages, type1_target\n"
+    (tmp_path / "test_hf_items.py").write_text("from medsafe_nb.items.schema import Item\nfrom medsafe_nb.protocols import render_messages, type1_target\n"
                                                + inspect.getsource(items) + "\n" + inspect.getsource(messages))
     (tmp_path / "worker.py").write_text(DP_WORKER)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
@@ -147,8 +148,8 @@ def test_data_parallel_two_cpu_processes(tmp_path, tiny_model_dir):
 
 def test_auto_batches_are_length_buckets(tiny_model_dir):
     "batch_size=None: CPU scoring packs short prompts up to 512 padded tokens and 5 % padding; long ones go alone"
-    from medsafe_nb.hf import HFBackend
-    from medsafe_nb.local import plan_batches
+    from medsafe_nb.models.hf import HFBackend
+    from medsafe_nb.models.hf_plan import plan_batches
     b = HFBackend(str(tiny_model_dir), max_new_tokens=8)
     assert b.batch_size is None
     enc = b._encode([b.prompt_text(m, thinking=False) for m in messages()])
@@ -165,7 +166,7 @@ def test_auto_batches_are_length_buckets(tiny_model_dir):
 
 def test_auto_batches_give_the_same_answers(tiny_model_dir):
     "Automatic batches: the same greedy texts as batch 1 and as the old fixed batch of 8, the same scores to float precision"
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.hf import HFBackend
     gen_reqs = [GenRequest(m) for m in messages()]
     score_reqs = [ScoreRequest(tuple(render_messages(it, c, type1_target(it) if c == "type1" else None)), it.keys)
                   for it in items() for c in ("clean", "type1", "type2")]
@@ -183,7 +184,7 @@ def test_auto_batches_give_the_same_answers(tiny_model_dir):
 def test_hub_id_offline_fails_fast(monkeypatch):
     "HF_HUB_OFFLINE=1 and a model that is not cached: a ConfigError with the right advice, before any retry"
     from medsafe_nb.core import ConfigError
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.hf import HFBackend
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="unset HF_HUB_OFFLINE"):
         HFBackend("medsafe-test/not-cached")
@@ -209,7 +210,7 @@ def test_medsafe_run_under_torchrun_two_ranks(tmp_path, tiny_model_dir):
 def test_generation_config_with_a_penalty_goes_through_generate(tmp_path, tiny_model_dir):
     "A checkpoint that ships a repetition penalty: the automatic path leaves decoding to `generate`, which applies it"
     import shutil
-    from medsafe_nb.hf import HFBackend
+    from medsafe_nb.models.hf import HFBackend
     model = Path(shutil.copytree(tiny_model_dir, tmp_path / "penalised"))
     cfg = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**cfg, "repetition_penalty": 1.3}))

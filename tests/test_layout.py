@@ -1,38 +1,91 @@
-"""The code's layout as the architecture pass left it: no import cycle (imports inside functions count), typer only in the
-command line, each vocabulary defined once, and no backend reading a rendered prompt back into parts."""
+"""The code's layout: lane folders, no import cycle (imports inside functions count), a short longest import chain, no
+module reading another's private names, typer only in the command line, each vocabulary defined once, and no backend
+reading a rendered prompt back into parts."""
 import ast, re
+from functools import lru_cache
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "medsafe_nb"
-MODULES = {p.stem: p for p in PKG.glob("*.py") if p.stem not in ("_modidx", "__init__")}
+LANES = ("items", "models", "mitigate", "run", "metrics", "figures", "construct", "review", "testing")
+MAX_CHAIN = 10
 
 
-def imports(path:Path)->set:
-    "The package modules a module imports anywhere in its body, top level or inside functions"
-    out = set()
+def module_name(path:Path)->str:
+    "Dotted name inside the package: `models/hf.py` -> `models.hf`; a lane's `__init__.py` -> the lane"
+    parts = path.relative_to(PKG).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PKG.rglob("*.py") if p.name != "_modidx.py" and p != PKG / "__init__.py"
+           and p.name != "__init__.py"}
+
+
+def _resolve(path:Path, node:ast.ImportFrom)->str:
+    "The absolute dotted target (inside the package) of a `from ... import`"
+    mod = node.module or ""
+    if node.level:
+        base = module_name(path).split(".")[:-1] if path.name != "__init__.py" else module_name(path).split(".")
+        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        return ".".join([*base, *([mod] if mod else [])])
+    return mod[len("medsafe_nb."):] if mod.startswith("medsafe_nb.") else ("" if mod == "medsafe_nb" else None)
+
+
+def import_edges(path:Path)->list:
+    "(module, imported name) pairs: every package module this one imports, anywhere in its body"
+    out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            mod = node.module or ""
-            if node.level == 1: out.add(mod.split(".")[0] if mod else None)
-            elif mod.startswith("medsafe_nb."): out.add(mod.split(".")[1])
-            elif mod == "medsafe_nb": out.update(a.name for a in node.names)
+            target = _resolve(path, node)
+            if target is None: continue
+            for a in node.names:
+                sub = f"{target}.{a.name}" if target else a.name
+                if sub in MODULES: out.append((sub, None))
+                elif target in MODULES: out.append((target, a.name))
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("medsafe_nb."))
-    return {m for m in out if m in MODULES and m != path.stem}
+            out += [(a.name[len("medsafe_nb."):], None) for a in node.names if a.name[len("medsafe_nb."):] in MODULES]
+    return [(m, n) for m, n in out if m != module_name(path)]
+
+
+@lru_cache
+def graph()->dict: return {m: sorted({t for t, _ in import_edges(p)}) for m, p in MODULES.items()}
+
+
+def test_lanes_are_folders():
+    assert all((PKG / lane / "__init__.py").is_file() for lane in LANES)
+    top = sorted(m for m in MODULES if "." not in m)
+    assert top == ["cli", "core", "extract", "harness", "protocols", "report", "tables"], top
 
 
 def test_no_import_cycle():
-    graph = {m: imports(p) for m, p in MODULES.items()}
-    state, cycles = {}, []
+    g, state, cycles = graph(), {}, []
     def visit(m, stack):
         state[m] = "open"
-        for n in sorted(graph[m]):
+        for n in g[m]:
             if state.get(n) == "open": cycles.append(stack[stack.index(n):] + [n])
             elif n not in state: visit(n, stack + [n])
         state[m] = "done"
-    for m in sorted(graph):
+    for m in sorted(g):
         if m not in state: visit(m, [m])
     assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
+
+
+def longest_chain()->list:
+    "The longest path of module imports (the graph has no cycle)"
+    g = graph()
+    @lru_cache(None)
+    def longest(m): return max(([m, *longest(n)] for n in g[m]), key=len, default=[m])
+    return max((longest(m) for m in g), key=len)
+
+
+def test_longest_import_chain():
+    chain = longest_chain()
+    assert len(chain) <= MAX_CHAIN, " -> ".join(chain)
+
+
+def test_no_private_name_crosses_a_module():
+    crossings = sorted({f"{module_name(p)} imports {m}.{n}" for p in MODULES.values() for m, n in import_edges(p)
+                        if n and n.startswith("_")})
+    assert crossings == [], crossings
 
 
 def test_typer_only_in_the_command_line():
@@ -50,4 +103,9 @@ def test_each_vocabulary_defined_once():
 def test_no_backend_parses_a_prompt():
     "Only the local test server (it stands in for a model that reads) may split a rendered prompt by its section labels"
     readers = sorted(m for m, p in MODULES.items() if re.search(r"\b(CONTEXT|QUESTION|OPTIONS)_LABELS\b", p.read_text()) and m != "protocols")
-    assert readers == ["mockserver"]
+    assert readers == ["testing.mockserver"]
+
+
+def test_production_code_never_imports_the_test_doubles():
+    users = sorted(m for m in MODULES if not m.startswith("testing") and any(t.startswith("testing") for t in graph()[m]))
+    assert users == [], users

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from medsafe_nb.ledger import Ledger, request_key, request_payload
-from medsafe_nb.backends import GenRequest
+from medsafe_nb.run.ledger import Ledger, request_key, request_payload
+from medsafe_nb.models.base import GenRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = r'''
 import json, os, sys, time
 from dataclasses import asdict
-from medsafe_nb.backends import Backend, GenRequest, Generation
-from medsafe_nb.ledger import Ledger, cached_generate
+from medsafe_nb.models.base import Backend, GenRequest, Generation
+from medsafe_nb.run.ledger import Ledger, cached_generate
 
 ledger_path, log_path, out_path, go_path = sys.argv[1:5]
 start, n, distinct, delay = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), float(sys.argv[8])
@@ -147,7 +147,7 @@ def test_two_writers(tmp_path, worker, round):
 def test_key_is_stable_across_processes(tmp_path):
     "The same request has the same key in a fresh interpreter with another hash seed"
     payload = request_payload(GenRequest(({"role": "user", "content": "Quel est le traitement ? é"},), max_new_tokens=64))
-    code = ("import json,sys; from medsafe_nb.ledger import request_key; "
+    code = ("import json,sys; from medsafe_nb.run.ledger import request_key; "
             "print(request_key(json.loads(sys.argv[1]), 'generate', json.loads(sys.argv[2])))")
     env = {**os.environ, "PYTHONHASHSEED": "987", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code, json.dumps(IDENTITY), json.dumps(payload)],

@@ -10,15 +10,15 @@ import pandas as pd
 import pytest
 
 from medsafe_nb.core import MedsafeError, write_manifest
-from medsafe_nb.metrics import (
+from medsafe_nb.metrics.core import (
     MetricsError, MetricsWarning, bootstrap_counts, condition_metrics, mean_over_models, mean_over_splits,
     overall_metrics, predictions_from_answers, validate_predictions,
 )
-from medsafe_nb.paper_tables import breakdowns, table1, TABLE1_COLUMNS, BREAKDOWN_COLUMNS
-from medsafe_nb.significance import mcnemar_table, probability_shift
-from medsafe_nb.metrics_io import read_predictions, write_metrics
-from medsafe_nb.plots import paper_reference
-from medsafe_nb.testing import demo_predictions
+from medsafe_nb.metrics.paper import breakdowns, table1, TABLE1_COLUMNS, BREAKDOWN_COLUMNS
+from medsafe_nb.metrics.significance import mcnemar_table, probability_shift
+from medsafe_nb.metrics.io import read_predictions, write_metrics
+from medsafe_nb.figures.plots import paper_reference
+from medsafe_nb.testing.doubles import demo_predictions
 
 
 @pytest.fixture(scope="module")
@@ -223,21 +223,15 @@ def test_write_metrics_errors_name_the_path(tmp_path, run_dirs):
 
 def test_metrics_sits_below_plots_and_the_cli():
     "The metrics modules import neither typer, plots nor cli (anywhere, functions included), each imports only the ones before it; plots imports them"
-    import ast, importlib
-
-    def imported(mod):
-        tree = ast.parse(open(mod.__file__).read())
-        names = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import): names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom): names |= {(node.module or "").lstrip(".")} | {a.name for a in node.names}
-        return {n.removeprefix("medsafe_nb.") for n in names}
-    layers = ["metrics", "paper_tables", "significance", "metrics_io"]  # data-flow order
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_layout import graph, MODULES
+    layers = ["metrics.core", "metrics.paper", "metrics.significance", "metrics.io"]  # data-flow order
     for i, name in enumerate(layers):
-        got = imported(importlib.import_module(f"medsafe_nb.{name}"))
-        assert not got & {"typer", "plots", "cli", *layers[i:]}, (name, got & {"typer", "plots", "cli", *layers[i:]})
-    p = importlib.import_module("medsafe_nb.plots")
-    assert {"metrics", "paper_tables"} <= imported(p) and not imported(p) & {"typer", "cli"}
+        got = set(graph()[name])
+        assert not got & {"figures.plots", "cli", *layers[i:]}, (name, got)
+        assert not any("typer" in line for line in MODULES[name].read_text().splitlines() if line.startswith(("import", "from")))
+    assert {"metrics.core", "metrics.paper"} <= set(graph()["figures.plots"]) and "cli" not in graph()["figures.plots"]
 
 
 def test_mean_over_different_item_sets_is_refused(tmp_path):

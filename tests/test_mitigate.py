@@ -7,11 +7,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from medsafe_nb.core import SEARCH_STATUSES, ConfigError
-from medsafe_nb.data import load_medmisbench
-from medsafe_nb.backends import make_backend, GenRequest
-from medsafe_nb.run import run_benchmark, run
-from medsafe_nb.mockserver import MockServer
-from medsafe_nb import mitigate as M, search as S, subset as SUB
+from medsafe_nb.items.release import load_medmisbench
+from medsafe_nb.models.base import make_backend, GenRequest
+from medsafe_nb.run.runner import run_benchmark, run
+from medsafe_nb.testing.mockserver import MockServer
+from medsafe_nb.mitigate import defences as M, search as S
+from medsafe_nb.items import subset as SUB
 
 FAKE_KEY = "srch" + "-" + "Zq7Xw2Lm9Pk4Rt6Yb1Nc8Vd3"   # a made-up key, assembled so no key-shaped literal sits in the source
 
@@ -247,7 +248,7 @@ def test_mock_model_that_calls_forever_ends_at_the_limit(items, tmp_path):
 
 def test_anthropic_tool_calls_through_sdk_types():
     anthropic = pytest.importorskip("anthropic")
-    from medsafe_nb.providers import anthropic_generation, anthropic_tools, anthropic_turns
+    from medsafe_nb.models.providers import anthropic_generation, anthropic_tools, anthropic_turns
     msg = anthropic.types.Message.model_validate({"id": "m", "type": "message", "role": "assistant", "model": "c", "stop_reason": "tool_use",
         "content": [{"type": "text", "text": "Let me check."}, {"type": "tool_use", "id": "toolu_1", "name": "search", "input": {"query": "QT"}}],
         "usage": {"input_tokens": 5, "output_tokens": 3}})
@@ -261,7 +262,7 @@ def test_anthropic_tool_calls_through_sdk_types():
 def test_gemini_tool_calls_through_sdk_types():
     pytest.importorskip("google.genai")
     from google.genai import types
-    from medsafe_nb.providers import gemini_generation, gemini_tools, gemini_contents
+    from medsafe_nb.models.providers import gemini_generation, gemini_tools, gemini_contents
     r = types.GenerateContentResponse.model_validate({"candidates": [{"content": {"role": "model", "parts": [
         {"function_call": {"id": "fc1", "name": "search", "args": {"query": "QT"}}}]}, "finish_reason": "STOP"}]})
     g = gemini_generation(r)
@@ -295,7 +296,7 @@ def test_run_with_search_records_and_replays(tmp_path):
 # --- config and subset --------------------------------------------------------------------------------------------------
 
 def test_search_options_are_checked():
-    from medsafe_nb.config import RunConfig
+    from medsafe_nb.run.config import RunConfig
     with pytest.raises(ConfigError, match="unknown search provider 'bing'"): RunConfig(search="bing")
     with pytest.raises(ConfigError, match="max-tool-calls: expected an integer >= 1"): RunConfig(max_tool_calls=0)
     assert M.search_config_problem("none", "serper").startswith("search: 'serper' is set")

@@ -3,11 +3,11 @@ out of rotation, and results identical to one URL."""
 import pandas as pd
 import pytest
 
-from medsafe_nb.openai_compat import OpenAIBackend
-from medsafe_nb.backends import GenRequest
-from medsafe_nb.data import load_medmisbench
-from medsafe_nb.mockserver import MockServer
-from medsafe_nb.run import run_benchmark
+from medsafe_nb.models.openai import OpenAIBackend
+from medsafe_nb.models.base import GenRequest
+from medsafe_nb.items.release import load_medmisbench
+from medsafe_nb.testing.mockserver import MockServer
+from medsafe_nb.run.runner import run_benchmark
 
 CONCURRENCY = 4
 

@@ -10,10 +10,10 @@ import pyarrow as pa, pyarrow.parquet as pq
 import pytest
 
 from medsafe_nb.core import MedsafeError, check_manifest
-from medsafe_nb.data import load_medmisbench, validate_report
-from medsafe_nb.mockserver import MockServer
-from medsafe_nb.run import run, run_outcome, ServerUnavailable
-from medsafe_nb.metrics_io import write_metrics
+from medsafe_nb.items.release import load_medmisbench, validate_report
+from medsafe_nb.testing.mockserver import MockServer
+from medsafe_nb.run.runner import run, run_outcome, ServerUnavailable
+from medsafe_nb.metrics.io import write_metrics
 
 pytestmark = pytest.mark.integration   # real components end to end: `make test-integration`
 

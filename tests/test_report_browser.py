@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 from conftest import browser_missing, screenshot_path
 from medsafe_nb import report
-from medsafe_nb.backends import Backend, Generation, register_backend
-from medsafe_nb.data import load_medmisbench
+from medsafe_nb.models.base import Backend, Generation, register_backend
+from medsafe_nb.items.release import load_medmisbench
 from medsafe_nb.protocols import build_prompts
-from medsafe_nb.run import run
+from medsafe_nb.run.runner import run
 
 EVIL = '<img src=x onerror="window.__pwned=1">'
 SCREENSHOT = screenshot_path("report.png")

@@ -3,10 +3,10 @@ import json
 from itertools import combinations
 import numpy as np, pandas as pd
 import pytest
-from medsafe_nb.review import QUALITY_CRITERIA, RATINGS_FORMAT, demo_run
-from medsafe_nb.packet import export_packet
-from medsafe_nb.ratings import RatingErrors, import_ratings
-from medsafe_nb.agreement import alpha_table, kappa_table, review_report
+from medsafe_nb.review.rubric import QUALITY_CRITERIA, RATINGS_FORMAT, demo_run
+from medsafe_nb.review.packet import export_packet
+from medsafe_nb.review.ratings import RatingErrors, import_ratings
+from medsafe_nb.review.agreement import alpha_table, kappa_table, review_report
 from medsafe_nb.core import stable_hash
 
 @pytest.fixture(scope="module")

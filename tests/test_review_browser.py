@@ -8,10 +8,10 @@ import json, shutil
 from pathlib import Path
 import pytest
 from conftest import browser_missing, screenshot_path
-from medsafe_nb.review import HARM_CRITERIA, TIERS, demo_run
-from medsafe_nb.packet import export_packet
-from medsafe_nb.ratings import import_ratings
-from medsafe_nb.agreement import review_report
+from medsafe_nb.review.rubric import HARM_CRITERIA, TIERS, demo_run
+from medsafe_nb.review.packet import export_packet
+from medsafe_nb.review.ratings import import_ratings
+from medsafe_nb.review.agreement import review_report
 
 EVIL = '<img src=x onerror="window.__pwned=1"> <script>window.__pwned=1</script>'
 SCREENSHOT = screenshot_path("review_packet.png")

@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 from medsafe_nb.protocols import type1_target
-from medsafe_nb.data import load_medmisbench
-from medsafe_nb.run import PREDICTION_COLUMNS, STATUSES
+from medsafe_nb.items.release import load_medmisbench
+from medsafe_nb.run.runner import PREDICTION_COLUMNS, STATUSES
 
 MEDSAFE = [sys.executable, "-m", "medsafe_nb.cli"]
 LIMIT = 12

@@ -6,8 +6,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medsafe_nb.mockserver import MockServer, FaultPlan, choose_context
-from medsafe_nb.data import load_medmisbench
+from medsafe_nb.testing.mockserver import MockServer, FaultPlan, choose_context
+from medsafe_nb.items.release import load_medmisbench
 from medsafe_nb.protocols import build_prompts
 
 MEDSAFE = [sys.executable, "-m", "medsafe_nb.cli"]

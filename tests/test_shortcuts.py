@@ -1,8 +1,8 @@
 "The shortcut controls through the real run path: statuses per condition, agreement with the audit, determinism"
 import pytest
-from medsafe_nb.run import run
-from medsafe_nb.data import load_medmisbench
-from medsafe_nb.audit import SHORTCUTS, shortcut_answer, type2_contexts
+from medsafe_nb.run.runner import run
+from medsafe_nb.items.release import load_medmisbench
+from medsafe_nb.items.audit import SHORTCUTS, shortcut_answer, type2_contexts
 
 # Type 2 rows answered correctly on the repaired sample (single-answer items; a one-key pick never matches a multi gold)
 TYPE2_CORRECT = {"longest": 21, "authority": 9, "overlap": 21}

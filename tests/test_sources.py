@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from medsafe_nb.sources import load_source
+from medsafe_nb.items.sources import load_source
 
 SOURCES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sources"
 POOLS = [("medqa", "medqa_us_test_4opt.jsonl"), ("medmcqa", "medmcqa_dev_subset.jsonl"), ("medxpertqa", "medxpertqa_reasoning_test.jsonl")]

@@ -18,7 +18,7 @@ MODEL_ARGS = {"max_model_len": 2048}
 
 
 def vllm_python_or_skip() -> str:
-    from medsafe_nb.engine import find_vllm_python
+    from medsafe_nb.models.vllm import find_vllm_python
     try: return find_vllm_python()
     except ConfigError as e: pytest.skip(f"no vLLM environment: {e}")
 
@@ -34,7 +34,7 @@ def vllm_python():
 @pytest.fixture(scope="module")
 def tiny64_dir(tmp_path_factory):
     "The tiny random Llama with hidden 128 and 2 heads: head_dim 64, which vLLM's CPU attention supports (16 is not)"
-    from medsafe_nb.testing import build_tiny_model
+    from medsafe_nb.testing.doubles import build_tiny_model
     path = build_tiny_model(tmp_path_factory.mktemp("tiny64") / "model", hidden_size=128, num_heads=2)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["hidden_size"] // cfg["num_attention_heads"] == 64
@@ -44,7 +44,7 @@ def tiny64_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(vllm_python, tiny64_dir, tmp_path_factory):
     "One vLLM server for the library tests; stopped (with its process group) at the end"
-    from medsafe_nb.engine import vllm_backend
+    from medsafe_nb.models.vllm import vllm_backend
     out = tmp_path_factory.mktemp("vllm-run")
     backend = vllm_backend(f"hf:{tiny64_dir}", out, model_args=MODEL_ARGS, vllm_python=vllm_python, max_new_tokens=MAX_NEW)
     yield backend
@@ -67,7 +67,7 @@ def group_alive(pgid: int, wait: float = 15.0) -> bool:
 
 
 def sample_items():
-    from medsafe_nb.data import load_medmisbench
+    from medsafe_nb.items.release import load_medmisbench
     return load_medmisbench("all", "sample")[:LIMIT]
 
 
@@ -81,7 +81,7 @@ def test_server_record(served):
 
 
 def test_generate_statuses_tokens_and_determinism(served):
-    from medsafe_nb.run import run_benchmark
+    from medsafe_nb.run.runner import run_benchmark
     items = sample_items()
     first = run_benchmark(items, served, scoring="generate", max_new_tokens=MAX_NEW, progress=False)
     second = run_benchmark(items, served, scoring="generate", max_new_tokens=MAX_NEW, progress=False)  # own in-memory ledger: asked again
@@ -95,7 +95,7 @@ def test_generate_statuses_tokens_and_determinism(served):
 
 
 def test_logprob_scoring(served):
-    from medsafe_nb.run import run_benchmark
+    from medsafe_nb.run.runner import run_benchmark
     items = sample_items()
     df = run_benchmark(items, served, scoring="logprob", progress=False)
     again = run_benchmark(items, served, scoring="logprob", progress=False)

@@ -308,7 +308,7 @@ def render_site(pages:list[Page], site:str|Path, root:str|Path=ROOT, log=print)-
 
 def executed_dir(params:str)->Path:
     "Where `make figures P=params` writes its executed notebooks: <figures_dir>/executed"
-    from medsafe_nb.params import load_params, params_path, resolve_path
+    from medsafe_nb.run.params import load_params, params_path, resolve_path
     return resolve_path(load_params(params_path(params)).figures_dir) / "executed"
 
 

@@ -1,0 +1,1 @@
+"""Building a benchmark: the applicability gate, generation, checks and the build pipeline."""

@@ -1,0 +1,1 @@
+"""Figures: plots, plot-label placement, the analysis notebooks' table helpers and the notebook runner."""

@@ -1,0 +1,1 @@
+"""Defences: search providers and the mitigation wrappers (warning, search) around a model."""

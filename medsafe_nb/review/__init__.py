@@ -1,0 +1,1 @@
+"""Clinician review: the rubric and harm tiers, packets, ratings, the LLM judge and agreement."""

@@ -1,0 +1,1 @@
+"""Test doubles and fixtures (a tiny model, a scripted backend, the local mock server); production code never imports them."""
