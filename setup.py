@@ -15,7 +15,7 @@ requirements = [
     "numpy>=1.26", "pandas>=2.2", "pyarrow>=15", "scipy>=1.11", "statsmodels>=0.14",
     "matplotlib>=3.8", "seaborn>=0.13", "typer>=0.12", "tenacity>=8.2", "tqdm>=4.66",
     "openai>=1.40", "httpx>=0.27", "httpx2", "PyYAML>=6", "papermill>=2.5", "nbformat>=5.9",
-    "fastcore>=1.12.47,<1.13", "krippendorff>=0.9", "bm25s>=0.2",
+    "fastcore>=1.12.47,<1.13", "krippendorff>=0.9", "bm25s>=0.2", "scikit-learn>=1.3",
 ]
 extras = {
     "anthropic": ["anthropic>=0.40"],

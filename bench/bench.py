@@ -1,23 +1,28 @@
 """`make bench`: the speed of medsafe_nb against its peers and this machine's limits, as one table measured in one run.
 
-Setup (close to issue 12's): a random-weight Llama (hidden 512, head_dim 64, 4 layers and a 32,000-token vocabulary
+Setup: a random-weight Llama (hidden 512, head_dim 64, 4 layers and a 32,000-token vocabulary
 by default, on the tokenizer and chat template of `medsafe_nb.testing.doubles`'s tiny model), the sample's
-real prompts (clean, type1 and type2 of the first items), CPU, fp32. Every method runs once per round and the rounds
+real prompts (clean, type1 and type2 of the first items), CPU, in the checkpoint's own precision (fp32: the default
+rule, `hf_plan.auto_dtype`), with bf16 as the opt-in (`--model-args dtype=bfloat16`) beside it. Every method runs once per round and the rounds
 interleave the methods, so a slow moment of this shared machine hits all of them; the table shows medians over the
 rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
 
 - scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults, at its previous
   default (batch 8), a naive loop (one full forward per prompt), and lm-eval's HFLM loglikelihood (batch 1, its
-  default) in the side venv `.venv-harness` (`make harness-env`), all against the fp32 matmul peak measured in
-  each round (MFU = model FLOPs of the prompts / time / peak);
+  default) in the side venv `.venv-harness` (`make harness-env`), and the toolkit with the bf16 opt-in, each against
+  the matmul peak of the precision it computes in, measured in each round (MFU = model FLOPs of the prompts / time /
+  peak);
 - generation (greedy, `--new-tokens` tokens): the toolkit against a naive per-prompt `generate` and against the
   job's roofline (prefill at the matmul peak, each decoding step of one batch of all prompts at the larger of its
   FLOPs at the peak and its bytes at the memory bandwidth measured in each round);
-- the OpenAI-compatible client against a minimal asyncio httpx client and the ideal, on a local server answering
-  after 50 ms, at concurrency 1-256: requests/s and client CPU per request;
-- vLLM (`.venv-vllm`, `make vllm`) against the in-process backend on the same model.
+- the OpenAI-compatible client against minimal asyncio clients on the same HTTP library (httpx2, the peer the targets
+  name) and on httpx, and the ideal, on a local server answering after 50 ms, at concurrency 1-256: requests/s and
+  client CPU per request;
+- vLLM (`.venv-vllm`, `make vllm`) against the in-process backend on the same model;
+- with `--scale`, the paper-scale verbs (`bench/bench_scale.py`: metrics, report, show, review export and a resumed
+  run's ledger on 360,756 rows), its table printed after this one.
 
-    .venv/bin/python bench/bench.py [--rounds 3] [--threads N] [--skip vllm,hflm,api]
+    .venv/bin/python bench/bench.py [--rounds 3] [--threads N] [--skip vllm,hflm,api,bf16] [--scale]
 
 Nothing is asserted. On a loaded machine pass --threads 1 (OpenMP threads spin-waiting for a descheduled sibling
 make small matrix products many times slower); the load average is printed.
@@ -165,8 +170,9 @@ def best_keys(results:dict)->list:
 def api_messages(i): return [{"role": "user", "content": f"Case {i}.\nWhich?\nA. yes\nB. no\nC. maybe"}]
 
 
-async def _minimal(url, n, c):
-    import httpx
+async def _minimal(url, n, c, lib="httpx"):
+    import importlib
+    httpx = importlib.import_module(lib)
     sem = asyncio.Semaphore(c)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)   # the openai SDK's pool
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
@@ -179,6 +185,7 @@ async def _minimal(url, n, c):
 
 
 def minimal_client(url, n, c): return asyncio.run(_minimal(url, n, c))
+def minimal_httpx2(url, n, c): return asyncio.run(_minimal(url, n, c, "httpx2"))
 
 
 def toolkit_client(url, n, c):
@@ -212,7 +219,8 @@ def main():
     ap.add_argument("--gen-prompts", type=int, default=24, help="prompts per generation call")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per generated reply")
     ap.add_argument("--concurrency", default="1,4,16,64,256", help="API concurrency levels")
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: hflm, api, vllm")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: hflm, api, vllm, bf16")
+    ap.add_argument("--scale", action="store_true", help="also run bench/bench_scale.py (the verbs on 360,756 rows; minutes) and print its table")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.perf_counter()
@@ -224,6 +232,7 @@ def main():
     score_msgs, gen_msgs = msgs[:args.prompts], msgs[:args.gen_prompts]
     fast = HFBackend(str(model), max_new_tokens=args.new_tokens)          # the defaults
     old = HFBackend(str(model), batch_size=8, max_new_tokens=args.new_tokens)   # the previous default
+    bf16 = HFBackend(str(model), dtype="bfloat16", max_new_tokens=args.new_tokens) if "bf16" not in skip and fast.dtype != "bfloat16" else None
     lm, tok, shape = fast.lm, fast.tokenizer, Shape(fast.lm)
     score_reqs = [ScoreRequest(m, it.keys) for it, m in score_msgs]
     gen_reqs = [GenRequest(m, max_new_tokens=args.new_tokens) for _, m in gen_msgs]
@@ -245,7 +254,7 @@ def main():
             except Exception as e: print(f"lm-eval HFLM: not measured ({e}); run `make harness-env`")
         else: print("lm-eval HFLM: not measured: no .venv-harness (run `make harness-env`)")
 
-    R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b8", "score_naive", "score_hflm", "gen", "gen_naive")}
+    R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b8", "score_naive", "score_hflm", "score_bf16", "gen", "gen_naive")}
     answers, texts_out = {}, {}
     for r in range(args.rounds):
         R["peak_bf16"].append(matmul_peak(torch.bfloat16)); R["bw"].append(memory_bandwidth())
@@ -253,6 +262,7 @@ def main():
                 ("score_b8", lambda: best_keys(dict(old.score(score_reqs)))),
                 ("score_naive", lambda: naive_score(lm, tok, texts, keys))]
         if hflm: runs.append(("score_hflm", hflm.run))
+        if bf16: runs.append(("score_bf16", lambda: best_keys(dict(bf16.score(score_reqs)))))
         runs += [("gen", lambda: [g.text for _, g in sorted(fast.generate(gen_reqs))]),
                  ("gen_naive", lambda: naive_generate(lm, tok, gen_texts, args.new_tokens))]
         if r % 2: runs.reverse()                               # alternate the order between rounds
@@ -265,17 +275,21 @@ def main():
     if hflm: hflm.close()
 
     peak, bw = max(R["peak"]), max(R["bw"])          # the machine's limits: the best of all samples
+    peak_of = {"float32": peak, "bfloat16": max(R["peak_bf16"])}   # MFU counts against the peak of the precision used
     flops = sum(shape.prefill(n) for n in lengths)
     rows = []
     ref = med(R["score_hflm"]) if R["score_hflm"] else None
     for key, label in (("score", "toolkit, defaults (auto batch)"), ("score_b8", "toolkit, batch 8 (previous default)"),
-                       ("score_naive", "naive loop (full forward per prompt)"), ("score_hflm", "lm-eval HFLM loglikelihood, bs 1")):
+                       ("score_naive", "naive loop (full forward per prompt)"), ("score_hflm", "lm-eval HFLM loglikelihood, bs 1"),
+                       ("score_bf16", "toolkit, dtype=bfloat16 (opt-in)")):
         if not R[key]: continue
         dt = med(R[key])
         agree = sum(a == b for a, b in zip(answers[key], answers["score"]))
+        p = peak_of.get("bfloat16" if key == "score_bf16" else fast.dtype, peak)
         rows.append((f"scoring, {len(texts)}-prompt call", label, f"{len(texts) / dt:.2f} prompts/s",
-                     (f"{ref / dt:.2f}x HFLM" if ref else "") + f", answers {agree}/{len(texts)}", f"MFU {flops / dt / peak:.2f}"))
-    gen_bound = shape.roofline(gen_lengths, args.new_tokens, peak, bw)
+                     (f"{ref / dt:.2f}x HFLM, " if ref else "") + f"answers {agree}/{len(texts)}",
+                     f"MFU {flops / dt / p:.2f} ({'bf16' if p is not peak else 'fp32'} peak)"))
+    gen_bound = shape.roofline(gen_lengths, args.new_tokens, peak_of.get(fast.dtype, peak), bw)
     n_new = len(gen_texts) * args.new_tokens
     same = sum(a == b for a, b in zip(answers["gen"], answers["gen_naive"]))
     for key, label in (("gen", "toolkit, defaults (auto batch)"), ("gen_naive", "naive per-prompt generate")):
@@ -290,6 +304,10 @@ def main():
     if "vllm" not in skip: rows += bench_vllm(model, fast, score_reqs, gen_reqs, args.rounds)
     print()
     print(table(rows))
+    if args.scale:
+        print("\npaper-scale verbs (bench/bench_scale.py):", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "bench" / "bench_scale.py")], check=False)
+    else: print("\n(paper-scale verbs on 360,756 rows: `python bench/bench_scale.py`, or `make bench BENCH_ARGS=--scale`)")
     print(f"\n(medians of interleaved rounds; bounds measured in this run, the best of all samples: fp32 matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s (bf16 {max(R['peak_bf16']) / 1e9:.0f}), memory bandwidth {bw / 1e9:.1f} GB/s; "
           f"{torch.get_num_threads()} thread(s); {time.perf_counter() - t_start:.0f} s in all)")
@@ -300,23 +318,26 @@ def bench_api(levels, rounds, delay=0.05):
                               stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().split(" at ")[1].split(" ")[0]
-        toolkit_client(url, 2, 1); minimal_client(url, 2, 1)                # warm up
-        R = {(c, k): [] for c in levels for k in ("toolkit", "minimal")}
+        clients = [("toolkit", toolkit_client), ("minimal2", minimal_httpx2), ("minimal", minimal_client)]
+        for _, fn in clients: fn(url, 2, 1)                                   # warm up
+        R = {(c, k): [] for c in levels for k, _ in clients}
         for r in range(rounds):
             for c in levels:
                 n = min(max(32, 2 * c), 512)
-                pair = [("toolkit", toolkit_client), ("minimal", minimal_client)]
-                for k, fn in (pair if r % 2 == 0 else pair[::-1]):
+                order = clients[r % 3:] + clients[:r % 3]                       # rotate the order between rounds
+                for k, fn in order:
                     dt, cpu = cpu_timed(lambda: fn(url, n, c))
                     R[c, k].append((n / dt, cpu / n))
             print(f"  api round {r + 1} done", flush=True)
         rows = []
         for c in levels:
-            rps = {k: med(x[0] for x in R[c, k]) for k in ("toolkit", "minimal")}
-            cpu = {k: med(x[1] for x in R[c, k]) for k in ("toolkit", "minimal")}
+            rps = {k: med(x[0] for x in R[c, k]) for k, _ in clients}
+            cpu = {k: med(x[1] for x in R[c, k]) for k, _ in clients}
             ideal = min(c, min(max(32, 2 * c), 512)) / delay
-            for k, label in (("toolkit", "toolkit OpenAI backend"), ("minimal", "minimal asyncio httpx client")):
-                ratio = f"{rps[k] / rps['minimal']:.2f}x minimal req/s, {cpu[k] / cpu['minimal']:.2f}x its CPU" if k == "toolkit" else ""
+            for k, label in (("toolkit", "toolkit OpenAI backend (httpx2)"), ("minimal2", "minimal asyncio client, httpx2"),
+                             ("minimal", "minimal asyncio client, httpx")):
+                ratio = (f"{rps[k] / rps['minimal2']:.2f}x minimal httpx2 req/s, {cpu[k] / cpu['minimal2']:.2f}x its CPU "
+                         f"(targets >= 0.9x, <= 1.2x)") if k == "toolkit" else ""
                 rows.append((f"API, concurrency {c}", label, f"{rps[k]:.0f} req/s, {cpu[k] * 1000:.1f} ms CPU/req", ratio,
                              f"{rps[k] / ideal:.2f} of ideal ({ideal:.0f} req/s)"))
         return rows

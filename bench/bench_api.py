@@ -3,9 +3,10 @@
 `OpenAIBackend` keeps `concurrency` requests in flight, through the lean httpx client (the default for a `--base-url`
 server) or the official `openai` SDK (`client="sdk"`). The server is the mock OpenAI-compatible server in its own
 process (so it does not share our GIL), answering every request after a fixed delay, like a remote model with
-constant latency. Rounds are interleaved (the order of the three clients rotates each round); the table gives the
-medians of requests/s and client CPU per request, and their ratios to the minimal client (issue 12's targets:
-CPU at most 1.2x, throughput at least 0.9x).
+constant latency. Rounds are interleaved (the order of the clients rotates each round); the table gives the
+medians of requests/s and client CPU per request, and their ratios to the minimal clients. The peer the targets name is the
+minimal client on the toolkit's own HTTP library, httpx2 (throughput at least 0.9x, CPU at most 1.2x); the minimal
+httpx client is shown beside it.
 
     python bench/bench_api.py [--delay 0.05] [--rounds 5] [--concurrency 1,4,16,64,256]
 """

@@ -50,7 +50,7 @@ def bench_size(n, tmp):
         t_ins, _ = timed(lambda: [led._insert([r]) for r in rows])                  # one commit per row, as in a run
         keys = [r[0] for r in rows]
         random.Random(0).shuffle(keys)
-        t_batch, found = timed(lambda: led._lookup(keys))                           # one batched pass (900 keys/query)
+        t_batch, found = timed(lambda: led._lookup(keys))                           # batched passes (as many keys per query as SQLite allows)
         assert len(found) == n
         sample = keys[:10_000]
         t_one, _ = timed(lambda: [led.get(k) for k in sample])                      # key by key

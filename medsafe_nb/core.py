@@ -10,12 +10,14 @@ from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit, parse_qsl, urlencode
 
 # %% auto #0
-__all__ = ['SPLITS', 'CONDITIONS', 'EXTRA_CONDITIONS', 'ALL_CONDITIONS', 'STATUSES', 'SEARCH_STATUSES', 'SCORINGS', 'MITIGATIONS',
-           'ENGINES', 'PROMPTS', 'EFFORTS', 'THINK_OPEN', 'THINK_CLOSE', 'SECRET_VALUES', 'SECRET_NAMES', 'SECRET_ENV',
-           'MANIFEST', 'MedsafeError', 'ConfigError', 'SchemaError', 'LabelError', 'ValidationErrors', 'stable_hash',
-           'is_int', 'utc_now', 'repo_root', 'atomic_write', 'strip_think', 'find_secret', 'secret_env_values',
-           'scrub_secrets', 'safe_url', 'file_sha256', 'write_manifest', 'check_manifest', 'clean_stale_tmp',
-           'LockedError', 'exclusive_lock']
+__all__ = ['SPLITS', 'CONDITIONS', 'EXTRA_CONDITIONS', 'CONTROL_CONDITIONS', 'ALL_CONDITIONS', 'STATUSES', 'SEARCH_STATUSES',
+           'SCORINGS', 'MITIGATIONS', 'ENGINES', 'ANSWER_PREFIX', 'SEARCH_SOURCES', 'WEB_SEARCH', 'SEARCH_SPECS',
+           'SEARCH_MODES', 'EVIDENCE_POSITIONS', 'PROMPTS', 'EFFORTS', 'THINK_OPEN', 'THINK_CLOSE', 'SECRET_VALUES',
+           'SECRET_NAMES', 'SECRET_ENV', 'MANIFEST', 'STOP', 'MedsafeError', 'ConfigError', 'AnalysisError',
+           'SchemaError', 'LabelError', 'ValidationErrors', 'search_spec_problem', 'stable_hash', 'is_int', 'utc_now',
+           'repo_root', 'DiskFull', 'atomic_write', 'strip_think', 'find_secret', 'secret_env_values', 'scrub_secrets',
+           'safe_url', 'file_sha256', 'write_manifest', 'check_manifest', 'clean_stale_tmp', 'LockedError',
+           'exclusive_lock', 'RunStopped', 'StopRequest']
 
 # %% ../nbs/00_core.ipynb #0efe9831
 class MedsafeError(Exception):
@@ -24,6 +26,10 @@ class MedsafeError(Exception):
 # %% ../nbs/00_core.ipynb #5536e880
 class ConfigError(MedsafeError, ValueError):
     "A bad parameter, model spec or command-line value"
+
+# %% ../nbs/00_core.ipynb #7ac693be
+class AnalysisError(MedsafeError):
+    "An analysis step that failed: a launched run, or a notebook cell"
 
 # %% ../nbs/00_core.ipynb #b8fdb627
 class SchemaError(MedsafeError, ValueError):
@@ -63,19 +69,37 @@ SPLITS = ("MEDMISQA", "MEDMISMCQA", "MEDMISXPERTQA", "MEDMISJOURNEY", "MEDMISHLE
 # %% ../nbs/00_core.ipynb #e1700abe
 CONDITIONS = ("clean", "type1", "type2")               # the paper's three conditions
 EXTRA_CONDITIONS = ("type1_all", "type2_shuffled")     # every wrong target; Type 2 in a seeded order (position control)
-ALL_CONDITIONS = CONDITIONS + EXTRA_CONDITIONS
+CONTROL_CONDITIONS = ("type1_true", "type1_placebo")  # the gold option's true sentence alone; an unrelated sentence from another item
+ALL_CONDITIONS = CONDITIONS + EXTRA_CONDITIONS + CONTROL_CONDITIONS
 
 # %% ../nbs/00_core.ipynb #d4cd5319
 STATUSES = ("ok", "noanswer", "truncated", "refused", "error")  # how a reply ended, in the predictions table
 
 # %% ../nbs/00_core.ipynb #40d14667
-# --- issue 11 (mitigations): how a row's search defence ended, in the `search_status` column of a search run ---
+# --- mitigations: how a row's search defence ended, in the `search_status` column of a search run ---
 SEARCH_STATUSES = ("ok", "no_evidence", "evidence_limit", "tool_limit", "search_error")  # evidence shown | none found | budget cut it | the model ran past the tool-call limit | a search call failed
 
 # %% ../nbs/00_core.ipynb #18bb297e
-SCORINGS = ("generate", "logprob")                     # free reply and extraction, or option-key log-probabilities
-MITIGATIONS = ("none", "warning", "search", "warning+search")  # defences a run can switch on (issue 11: search, see medsafe_nb.mitigate.defences)
+SCORINGS = ("generate", "logprob", "options")          # free reply and extraction, option-key log-probabilities, option-text likelihoods (lm-eval multiple_choice)
+MITIGATIONS = ("none", "warning", "search", "warning+search")  # defences a run can switch on (search: see medsafe_nb.mitigate.defences)
 ENGINES = ("inprocess", "vllm")                        # how an hf: model runs: in this process, or behind a vLLM server
+
+# %% ../nbs/00_core.ipynb #d5dd6fc8
+ANSWER_PREFIX = '{"answer": "'   # after this assistant text, the option key is the next token (logprob scoring; protocols and backends share it)
+
+# %% ../nbs/00_core.ipynb #475d95f0
+SEARCH_SOURCES = ("bm25", "replay")                    # `--search` providers that read a path: a local bm25 index, a recorded search log
+WEB_SEARCH = ("serper", "tavily", "brave")             # `--search` web APIs (keys from the environment)
+SEARCH_SPECS = "bm25:PATH | serper | tavily | brave | replay:PATH"
+SEARCH_MODES = ("auto", "tools", "retrieve")           # auto: tool calls where the backend supports them, else retrieve-then-read
+EVIDENCE_POSITIONS = ("before", "after")               # the evidence block's place relative to the misleading context
+
+def search_spec_problem(spec:str)->str|None:
+    "What is wrong with a `--search` value (None when it is well formed)"
+    kind, sep, arg = (spec or "").partition(":")
+    if kind in SEARCH_SOURCES: return None if arg.strip() else f"{kind} needs a path ({kind}:PATH)"
+    if kind in WEB_SEARCH: return None if not sep else f"{kind} takes no argument (its key comes from the environment)"
+    return f"unknown search provider {spec!r}; known: {SEARCH_SPECS}"
 
 # %% ../nbs/00_core.ipynb #8f7cbb79
 PROMPTS = ("paper", "compact")                         # prompt protocols: the paper's (reason, then JSON) and the short one
@@ -100,25 +124,47 @@ def utc_now()->str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 # %% ../nbs/00_core.ipynb #4a80b523
-def repo_root()->Path|None:
-    "The project checkout this package runs from (the folder holding settings.ini and medsafe_nb/), if any"
-    for start in (Path(__file__).resolve().parent, Path.cwd().resolve()):
+def repo_root(of:str="either", # cwd: the checkout holding the working directory | package: the one this code runs from | either: cwd, else package
+             )->Path|None:
+    "A project checkout (the folder holding settings.ini and medsafe_nb/): by default the one you work in, else the package's"
+    starts = {"cwd": [Path.cwd()], "package": [Path(__file__).parent], "either": [Path.cwd(), Path(__file__).parent]}[of]
+    for start in starts:
+        start = start.resolve()
         for d in [start, *start.parents]:
             if (d/"settings.ini").exists() and (d/"medsafe_nb").is_dir(): return d
     return None
 
 # %% ../nbs/00_core.ipynb #4b5442c2
+class DiskFull(MedsafeError, OSError):
+    "No space left where a file was being written; the file that was there before is left whole"
+    def __init__(self, path, err:OSError):
+        super().__init__(f"{path}: no space left on the device ({err.strerror or err}); nothing half-written was kept: "
+                         "free space and run the same command again")
+
+def _no_space(e:OSError)->bool:
+    "ENOSPC / EDQUOT, also from libraries (pyarrow) that keep the errno only in the message"
+    import errno
+    return e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
+
 def atomic_write(path:str|os.PathLike, # the file to write
                  write_fn,             # `write_fn(tmp_path)` writes the whole content to `tmp_path`
                 )->Path:               # `path`
     "Call `write_fn(tmp_path)` then rename the temporary file onto `path`"
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"); os.close(fd)
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"); os.close(fd)
+    except OSError as e:
+        if _no_space(e): raise DiskFull(path, e) from None
+        raise
     umask = os.umask(0); os.umask(umask)
     try:
         write_fn(Path(tmp))
         os.chmod(tmp, 0o666 & ~umask)                  # a normal file's mode, not mkstemp's private 0600
         os.replace(tmp, path)
+    except OSError as e:
+        if _no_space(e): raise DiskFull(path, e) from None   # the old file, if any, is left whole
+        raise
     finally:
         if os.path.exists(tmp): os.remove(tmp)
     return path
@@ -290,3 +336,55 @@ class exclusive_lock:
         if self._f is not None:
             import fcntl
             self._f.seek(0); self._f.truncate(); fcntl.flock(self._f, fcntl.LOCK_UN); self._f.close(); self._f = None
+
+# %% ../nbs/00_core.ipynb #e2c839b2
+class RunStopped(MedsafeError):
+    "A run stopped by SIGTERM or SIGINT after a graceful stop: what was answered is kept, a rerun resumes"
+    def __init__(self, message:str, signum:int):
+        super().__init__(message); self.signum = signum
+    @property
+    def exit_code(self)->int: return 128 + self.signum    # as shells report a signal: 130 SIGINT, 143 SIGTERM
+
+# %% ../nbs/00_core.ipynb #666e2480
+class StopRequest:
+    "The process's request to stop: set once by the first signal of a run; loops that start new work read it"
+    def __init__(self):
+        import threading
+        self._lock, self._watchers = threading.RLock(), []
+        self.clear()
+    def clear(self):
+        "Forget a request (a new run starts without one)"
+        with self._lock: self.signum, self.deadline = None, None
+    def __bool__(self)->bool: return self.signum is not None
+    @property
+    def name(self)->str|None:
+        import signal
+        return None if self.signum is None else signal.Signals(self.signum).name
+    def remaining(self)->float:
+        "Seconds left of the grace that requests in flight have (0 when none is requested or it is over)"
+        import time
+        return 0.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+    def request(self, signum:int, # the signal that asks (signal.SIGTERM, signal.SIGINT)
+                grace_s:float=0.0, # seconds that requests in flight get to finish
+               ):
+        "Ask every loop to stop starting work; the first request wins; watchers are called at once"
+        import time
+        with self._lock:
+            if self.signum is not None: return
+            self.signum, self.deadline = signum, time.monotonic() + grace_s
+            watchers = list(self._watchers)
+        for fn in watchers: fn()
+    def watch(self, fn)->callable: # call it to stop watching
+        "Call `fn()` when a stop is requested (at once if one is); returns the function that removes it"
+        with self._lock:
+            self._watchers.append(fn); now = self.signum is not None
+        if now: fn()
+        def unwatch():
+            with self._lock:
+                if fn in self._watchers: self._watchers.remove(fn)
+        return unwatch
+    def error(self, detail:str)->RunStopped:
+        "The `RunStopped` that a loop raises for this request"
+        return RunStopped(f"stopped by {self.name}: {detail}", self.signum)
+
+STOP = StopRequest()   # the one request of this process

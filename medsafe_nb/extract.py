@@ -11,7 +11,7 @@ from .core import THINK_OPEN as _THINK_OPEN, THINK_CLOSE as _THINK_CLOSE
 
 # %% auto #0
 __all__ = ['EVIDENCE_METHODS', 'NO_ANSWER_METHODS', 'PAPER_ANSWER_FIELD', 'PAPER_REASONING_FIELD', 'STATEMENT_PATTERNS',
-           'Extraction', 'Hit', 'extract_answer_detail', 'extract_answer']
+           'Extraction', 'Hit', 'lettered_options', 'extract_answer_detail', 'extract_answer']
 
 # %% ../nbs/05_extract.ipynb #2bd48941
 EVIDENCE_METHODS = ("json", "statement", "final_line")   # kinds of evidence, in the order they are tried
@@ -240,6 +240,7 @@ STATEMENT_PATTERNS = {   # name -> an example it fires on (the value follows the
     "i_choose": "I'd go with C", "going_with": "I'm going with C", "option_is_correct": "Option C is correct",
     "answer_tag": "<answer>C</answer>", "zh_answer": "答案：C", "zh_correct_option": "正确选项是C", "zh_da": "答：C",
     "zh_choose": "故选C", "zh_option_correct": "选项C正确", "zh_key_correct": "C项正确",
+    "answer_letter_field": "**answer_letter**: C",
 }
 _VAL = r"(?P<val>[(\[]?[A-Za-z0-9]{1,2}[)\]]?(?:[ \t]*(?:,|and|&|、|和|及)[ \t]*[(\[]?[A-Za-z0-9]{1,2}[)\]]?){0,19})"
 _STATEMENTS = {name: re.compile(p, f) for name, (p, f) in zip(STATEMENT_PATTERNS, [
@@ -259,6 +260,7 @@ _STATEMENTS = {name: re.compile(p, f) for name, (p, f) in zip(STATEMENT_PATTERNS
     (r"(?:应当|应该|应|故|所以|因此|我|则|可|宜)?选(?:择)?[ \t]*[:：]?", 0),
     (r"选项[ \t]*" + _VAL + r"[ \t]*(?:(?:是|为)[ \t]*)?(?:正确|最佳|最合适|最恰当)", 0),
     (_VAL + r"[ \t]*(?:项|选项)[ \t]*(?:(?:是|为)[ \t]*)?(?:正确|最佳|最合适|最恰当)", 0),
+    (r"\banswer[ _]letter\b[*_`\"' \t]*[:：=][*_` \t]*", re.I),   # the paper format's field written as markdown or YAML, no JSON
 ])}
 
 # %% ../nbs/05_extract.ipynb #f94588cd
@@ -387,6 +389,20 @@ def _evidence(s:str, options:dict, multi:bool, off:int, final_line:bool=True)->E
         if found: return _decide(max(paper or found, key=lambda h: h.position), kind, options, multi, off)
     return None
 
+# %% ../nbs/05_extract.ipynb #3c1f0a72
+_LETTER_LABEL = re.compile(r"[ \t]*[(\[]?(?P<letter>[A-Za-z])[ \t]*[).:\]][ \t]*(?P<text>\S.*)", re.S)
+
+def lettered_options(options:dict[str,str], # the item's options, key -> text, in order
+                    )->dict[str,tuple[str,str]]|None: # letter -> (digit key, text without its label); None for any other layout
+    "The letter view of digit-keyed options whose texts open with the letters A, B, C… in order"
+    if not options or not all(k.isdigit() for k in options): return None
+    out = {}
+    for i, (k, t) in enumerate(options.items()):
+        m = _LETTER_LABEL.match(t or "")
+        if not m or m["letter"].upper() != chr(65 + i): return None
+        out[m["letter"].upper()] = (k, m["text"].strip())
+    return out
+
 # %% ../nbs/05_extract.ipynb #e98204a2
 def extract_answer_detail(reply:str|None,      # the model's reply
                           options:dict[str,str], # the item's options, key -> text, in order
@@ -402,6 +418,10 @@ def extract_answer_detail(reply:str|None,      # the model's reply
     found = _evidence(s[body[0]:body[1]], options, multi, body[0])
     if found is None and think is not None:
         found = _evidence(s[think[0]:think[1]], options, multi, think[0], final_line=False)
+    letters = lettered_options(options) if found is None else None
+    if letters:      # digit keys, lettered texts: read the reply in the letters, answer in the digit keys
+        got = extract_answer_detail(reply, {L: t for L, (_, t) in letters.items()}, multi)
+        if got.key is not None: return Extraction(",".join(letters[L][0] for L in got.key.split(",")), got.method, got.span)
     if found is not None: return found
     if _REFUSAL.search(s[body[0]:body[0]+400]): return Extraction(None, "refusal")
     return Extraction(None, "none")

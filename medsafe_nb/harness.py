@@ -84,14 +84,13 @@ def medmisbench_scorer(prompts:dict,          # sample id -> EvalPrompt
                        items:dict,            # item id -> Item
                        conditions:list[str],  # conditions in the task
                       ):
-    "An inspect scorer: our extraction and `run.judge` per sample, Table 1's accuracy, ASR and TASR as metrics"
+    "An inspect scorer: our extraction and `run.judge` per sample, the shown metrics (accuracy, ASR, TASR, rescue) as metrics"
     from inspect_ai.scorer import scorer, Score, CORRECT, INCORRECT
     from medsafe_nb.models.base import Generation
     from medsafe_nb.extract import extract_answer_detail
-    from medsafe_nb.run.runner import judge
-    names = [f"{c}_acc" for c in conditions if c in _core.CONDITIONS]
-    names += [m for c in conditions if c in ("type1", "type2") and "clean" in conditions
-              for m in ([f"{c}_asr", f"{c}_tasr"] if c == "type1" else [f"{c}_asr"])]
+    from medsafe_nb.run.predictions import judge
+    from medsafe_nb.metrics.core import shown_metrics
+    names = list(shown_metrics(conditions=[c for c in conditions if c in _core.CONDITIONS]))   # the metrics every table shows
     @scorer(metrics=[_table1_metric(n)() for n in names], name="medmisbench")
     def medmisbench():
         async def score(state, target):

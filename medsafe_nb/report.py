@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_report.ipynb #3441d5e3
 from __future__ import annotations
-import base64, hashlib, html, io, json, sqlite3
+import base64, hashlib, html, io, json, re, sqlite3
 from pathlib import Path
 from typing import Sequence
 
@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from .core import MedsafeError, ConfigError, ALL_CONDITIONS, STATUSES, atomic_write
-from .metrics.core import MetricsError, KEY_COLUMNS, clean_correct
+from .metrics.core import MetricsError, KEY_COLUMNS, SHOWN_METRICS, clean_correct, row_keys
 from .metrics.io import read_predictions
 from .metrics.paper import table1, breakdowns, cross_breakdown
 from .extract import extract_answer_detail
@@ -22,8 +22,8 @@ from .run.ledger import request_key, request_payload
 
 # %% auto #0
 __all__ = ['TABLE1_SHOWN', 'TABLE1_HEADINGS', 'BROWSER_COLUMNS', 'read_run', 'flipped_rows', 'row_prompts', 'answer_methods',
-           'show_rows', 'table1_html', 'breakdowns_html', 'report_figures', 'browser_rows', 'json_for_script',
-           'write_report']
+           'show_rows', 'table1_html', 'breakdowns_html', 'report_figures', 'browser_rows', 'encode_rows',
+           'decode_rows', 'json_for_script', 'write_report', 'read_report_rows']
 
 # %% ../nbs/17_report.ipynb #a6404caf
 def read_run(run_dir:str|Path, # a run folder (predictions.parquet, run.json)
@@ -49,9 +49,17 @@ def flipped_rows(preds:pd.DataFrame, # a predictions table
 # %% ../nbs/17_report.ipynb #5d3b43be
 def _run_items(record:dict)->dict|None:
     "The run's items by id (loaded as the run loaded them), or None when they cannot be loaded here"
+    data = record.get("data") or "sample"
+    try: stamp = (Path(data).stat().st_mtime_ns, Path(data).stat().st_size) if Path(data).exists() else None
+    except OSError: stamp = None
+    items = _load_items(record.get("config") or "all", data, record.get("data_revision", record.get("revision")), stamp)
+    return None if items is None else dict(items)
+
+from functools import lru_cache
+@lru_cache(maxsize=4)        # the runs of one report (or one `show`) share their release: parse it once
+def _load_items(config:str, data:str, revision:str|None, stamp)->dict|None:
     from medsafe_nb.items.release import load_medmisbench
-    try: items = load_medmisbench(record.get("config") or "all", record.get("data") or "sample",
-                                  revision=record.get("data_revision", record.get("revision")))
+    try: items = load_medmisbench(config, data, revision=revision)
     except (MedsafeError, OSError): return None
     return {it.id: it for it in items}
 
@@ -133,7 +141,7 @@ def answer_methods(preds:pd.DataFrame,        # a predictions table
     out = []
     for i, r in zip(preds.index, preds.itertuples()):
         if r.status == "error": out.append("error"); continue
-        if scoring == "logprob": out.append("logprob"); continue
+        if scoring in ("logprob", "options"): out.append(scoring); continue   # scored, not read from a reply
         it = (items or {}).get(r.item_id)
         if it is None: out.append("unknown"); continue
         out.append(extract_answer_detail(r.raw if isinstance(r.raw, str) else "", it.options, multi=it.is_multi).method)
@@ -186,9 +194,8 @@ def show_rows(run_dir:str|Path,        # a run folder
             for n, (i, r) in enumerate(zip(sel.index, sel.itertuples()), 1)]
 
 # %% ../nbs/17_report.ipynb #67243857
-TABLE1_SHOWN = ("clean_acc", "type1_acc", "type2_acc", "type1_asr", "type1_tasr", "type2_asr")
-TABLE1_HEADINGS = {"clean_acc": "Clean acc", "type1_acc": "Type 1 acc", "type2_acc": "Type 2 acc",
-                   "type1_asr": "Type 1 ASR", "type1_tasr": "Type 1 TASR", "type2_asr": "Type 2 ASR"}
+TABLE1_SHOWN = tuple(SHOWN_METRICS)                                  # every shown metric (metrics.core owns the list)
+TABLE1_HEADINGS = {k: m.heading for k, m in SHOWN_METRICS.items()}
 
 def _num(v, lo=None, hi=None)->str:
     if v is None or pd.isna(v): return "–"
@@ -279,17 +286,14 @@ BROWSER_COLUMNS = ("model", "item_id", "source", "content", "provenance", "condi
 
 def browser_rows(run_dirs:Sequence[str|Path], # run folders
                  prompts:bool=True,           # include each row's prompt (from the ledger)
-                )->tuple[pd.DataFrame, dict]: # (predictions of all runs, {"columns", "rows", "texts"} for the browser)
-    "Every run's rows, with flipped, extraction method and prompt, as the browser's compact JSON-ready dict"
-    frames, texts, at = [], [], {}
-    def text_id(s):
-        if s not in at: at[s] = len(texts); texts.append(s)
-        return at[s]
+                )->tuple[pd.DataFrame, pd.DataFrame]: # (predictions of all runs, the browser's table: BROWSER_COLUMNS)
+    "Every run's rows with flipped, extraction method and prompt (a tuple of (role, text) per row): what the browser shows"
+    frames = []
     for d in run_dirs:
         p, rec = read_run(d)
         rp = row_prompts(d, p, rec) if prompts else None
         p = p.assign(method=answer_methods(p, _run_items(rec), rec.get("scoring", "generate")), _run=str(d))
-        p["prompt"] = pd.Series([[[m["role"], text_id(m["content"])] for m in ms] if (prompts and ms) else []
+        p["prompt"] = pd.Series([tuple((m["role"], m["content"]) for m in ms) if ms else ()
                                  for ms in (rp.messages if prompts else [None] * len(p))], index=p.index, dtype=object)
         frames.append(p)
     preds = pd.concat(frames, ignore_index=True)
@@ -299,17 +303,67 @@ def browser_rows(run_dirs:Sequence[str|Path], # run folders
         raise MetricsError(f"{' and '.join(sorted(set(preds._run[dup])))}: the same rows appear more than once "
                            f"(e.g. model {r.model!r}, item {r.item_id!r}, condition {r.condition!r}); pass each run once")
     preds["flipped"] = flipped_rows(preds)
-    cols = list(BROWSER_COLUMNS)
-    def cell(v):
-        if isinstance(v, (bool, np.bool_)): return bool(v)
-        if isinstance(v, list): return v
-        return None if v is None or (isinstance(v, float) and np.isnan(v)) or v is pd.NA else str(v)
-    rows = [[cell(v) for v in r] for r in preds.reindex(columns=cols).itertuples(index=False)]
-    return preds.drop(columns=["_run", "prompt"]), {"columns": cols, "rows": rows, "texts": texts}
+    table = pd.DataFrame({c: preds[c] if c == "prompt" else preds[c].astype("string") for c in BROWSER_COLUMNS})
+    table["flipped"] = pd.Series(np.where(preds.flipped.to_numpy(dtype=bool), "true", "false"), index=preds.index, dtype="string")
+    return preds.drop(columns=["_run", "prompt"]), table
+
+
+# %% ../nbs/17_report.ipynb #5ca1e0a2
+def _factorize(s:pd.Series)->tuple[np.ndarray, list]:
+    "(codes, distinct values in order of appearance); a missing value is one more entry, None"
+    codes, uniques = pd.factorize(s, use_na_sentinel=True)
+    uniques = list(uniques)
+    if (codes < 0).any(): codes = np.where(codes < 0, len(uniques), codes); uniques.append(None)
+    return codes, uniques
+
+def _code_type(n:int)->tuple[str, type]:
+    return ("u8", np.uint8) if n <= 2**8 else ("u16", np.uint16) if n <= 2**16 else ("u32", np.uint32)
+
+def encode_rows(table:pd.DataFrame, # `browser_rows`' table
+               )->dict:             # {"meta": JSON-ready header, "codes", "dicts", "prompts": bytes}
+    "The browser's table as columns: a code array per column (little-endian, 4-byte aligned), the distinct values, the prompts"
+    meta, parts, dicts, at = {"format": "medsafe-rows/1", "n": len(table), "columns": []}, [], {}, 0
+    prompt_codes, distinct = _factorize(table["prompt"]) if "prompt" in table else (None, [])
+    texts, text_at, roles, role_at, prompts = [], {}, [], {}, []
+    for p in distinct:                                   # each distinct prompt once: [role, text, role, text, ...] indices
+        flat = []
+        for role, text in (p or ()):
+            if role not in role_at: role_at[role] = len(roles); roles.append(role)
+            if text not in text_at: text_at[text] = len(texts); texts.append(text)
+            flat += [role_at[role], text_at[text]]
+        prompts.append(flat)
+    for c in table.columns:
+        codes, values = (prompt_codes, list(range(len(distinct)))) if c == "prompt" else _factorize(table[c])
+        kind, dt = _code_type(len(values))
+        b = np.ascontiguousarray(codes, dtype=np.dtype(dt).newbyteorder("<")).tobytes()
+        b += b"\0" * (-len(b) % 4)
+        meta["columns"].append([c, kind, at]); parts.append(b); at += len(b)
+        if c != "prompt": dicts[c] = values
+    dump = lambda o: json.dumps(o, ensure_ascii=False, separators=(",", ":")).encode()
+    return {"meta": meta, "codes": b"".join(parts), "dicts": dump(dicts), "prompts": dump({"roles": roles, "texts": texts, "prompts": prompts})}
+
+def decode_rows(enc:dict)->pd.DataFrame:
+    "The table back from `encode_rows` (the browser's decoding, in Python: for tests and checks)"
+    n, dicts, pr = enc["meta"]["n"], json.loads(enc["dicts"]), json.loads(enc["prompts"])
+    types = {"u8": "<u1", "u16": "<u2", "u32": "<u4"}
+    out = {}
+    for c, kind, at in enc["meta"]["columns"]:
+        codes = np.frombuffer(enc["codes"], dtype=types[kind], count=n, offset=at)
+        if c == "prompt":
+            full = [tuple((pr["roles"][f[k]], pr["texts"][f[k + 1]]) for k in range(0, len(f), 2)) for f in pr["prompts"]]
+            out[c] = [full[i] for i in codes]
+        else: out[c] = [dicts[c][i] for i in codes]
+    return pd.DataFrame(out)
 
 def json_for_script(obj)->str:
     "JSON safe inside an HTML <script> element: every `<` escaped"
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+
+def _blob(b:bytes)->str:
+    "gzip (level 9, no timestamp: the same rows give the same file) then base64"
+    import gzip
+    return base64.b64encode(gzip.compress(b, 9, mtime=0)).decode("ascii")
+
 
 # %% ../nbs/17_report.ipynb #28ee8ac2
 _CSS = """
@@ -330,75 +384,111 @@ figcaption{font-size:12px;color:#555}.absent{color:#777;font-size:13px}
 _JS = r"""
 (function () {
   "use strict";
-  var data = JSON.parse(document.getElementById("report-data").textContent);
-  var C = {}; data.columns.forEach(function (c, i) { C[c] = i; });
-  var rows = data.rows, texts = data.texts, PAGE = 50, page = 0, shown = [], hay = null;
+  var meta = JSON.parse(document.getElementById("report-data").textContent);
+  var N = meta.n, K = {}, D = null, P = null, pending = null, PAGE = 50, page = 0, shown = new Uint32Array(0), nShown = 0, low = {};
   var FILTERS = ["model", "source", "condition", "status", "flipped", "content", "provenance"];
+  var SEARCHED = ["item_id", "raw", "model", "pred", "method"];
+  var count = document.getElementById("count");
   function el(tag, text, cls) { var e = document.createElement(tag); if (text !== undefined && text !== null) e.textContent = String(text); if (cls) e.className = cls; return e; }
-  function val(r, c) { var v = r[C[c]]; return v === null || v === undefined ? "" : String(v); }
-  FILTERS.forEach(function (f) {
-    var sel = document.getElementById("f-" + f), seen = {};
-    rows.forEach(function (r) { seen[val(r, f)] = (seen[val(r, f)] || 0) + 1; });
-    Object.keys(seen).sort().forEach(function (v) { var o = el("option", (v === "" ? "(none)" : v) + " (" + seen[v] + ")"); o.value = v; sel.appendChild(o); });
-    sel.addEventListener("change", function () { page = 0; apply(); });
-  });
-  function haystack(r) {
-    var parts = [val(r, "item_id"), val(r, "raw"), val(r, "model"), val(r, "pred"), val(r, "method")];
-    (r[C.prompt] || []).forEach(function (m) { parts.push(texts[m[1]]); });
-    return parts.join("\n").toLowerCase();
+  function gunzip(id) {
+    var s = atob(document.getElementById(id).textContent), b = new Uint8Array(s.length);
+    for (var i = 0; i < s.length; i++) b[i] = s.charCodeAt(i);
+    return new Response(new Blob([b]).stream().pipeThrough(new DecompressionStream("gzip"))).arrayBuffer();
+  }
+  function parse(buf) { return JSON.parse(new TextDecoder().decode(buf)); }
+  function val(i, c) { var v = D[c][K[c][i]]; return v === null || v === undefined ? "" : String(v); }
+  function prompts() {                                  // the prompt texts: decoded once, after the rows are on screen
+    if (!pending) pending = gunzip("rows-prompts").then(function (b) { P = parse(b); document.body.setAttribute("data-prompts", "ready"); });
+    return pending;
+  }
+  function lowered(name, list) { if (!low[name]) low[name] = list.map(function (v) { return v === null ? "" : String(v).toLowerCase(); }); return low[name]; }
+  function hits(name, list, q) { var l = lowered(name, list), m = new Uint8Array(l.length); for (var j = 0; j < l.length; j++) m[j] = l[j].indexOf(q) >= 0 ? 1 : 0; return m; }
+  function searchTest(q) {                              // per column, which distinct values contain q; a row matches if any of its values does
+    var tests = SEARCHED.map(function (c) { return [K[c], hits(c, D[c], q)]; });
+    var t = hits("texts", P.texts, q), pm = new Uint8Array(P.prompts.length);
+    for (var j = 0; j < P.prompts.length; j++) { var f = P.prompts[j]; for (var k = 1; k < f.length; k += 2) if (t[f[k]]) { pm[j] = 1; break; } }
+    tests.push([K.prompt, pm]);
+    return function (i) { for (var x = 0; x < tests.length; x++) if (tests[x][1][tests[x][0][i]]) return true; return false; };
   }
   var search = document.getElementById("search"), timer = null;
-  search.addEventListener("input", function () { clearTimeout(timer); timer = setTimeout(function () { page = 0; apply(); }, 150); });
   function apply() {
-    var want = {}; FILTERS.forEach(function (f) { var v = document.getElementById("f-" + f).value; if (v !== "*") want[f] = v; });
+    var tests = [];
+    FILTERS.forEach(function (f) {
+      var v = document.getElementById("f-" + f).value; if (v === "*") return;
+      var m = new Uint8Array(D[f].length); D[f].forEach(function (x, j) { m[j] = (x === null ? "" : String(x)) === v ? 1 : 0; });
+      tests.push([K[f], m]);
+    });
     var q = search.value.trim().toLowerCase();
-    if (q && !hay) hay = rows.map(haystack);
-    shown = [];
-    for (var i = 0; i < rows.length; i++) {
-      var ok = true;
-      for (var f in want) { if (val(rows[i], f) !== want[f]) { ok = false; break; } }
-      if (ok && q && hay[i].indexOf(q) < 0) ok = false;
-      if (ok) shown.push(i);
+    function run() {
+      var qt = q ? searchTest(q) : null, out = new Uint32Array(N), n = 0;
+      rows: for (var i = 0; i < N; i++) {
+        for (var x = 0; x < tests.length; x++) if (!tests[x][1][tests[x][0][i]]) continue rows;
+        if (qt && !qt(i)) continue;
+        out[n++] = i;
+      }
+      shown = out; nShown = n; count.setAttribute("data-q", q); draw();
     }
-    draw();
+    if (q && !P) return prompts().then(run);
+    run();
   }
-  function detail(r) {
+  function detail(i) {
     var td = el("td"); td.colSpan = 12;
     td.appendChild(el("div", "Prompt", "role"));
-    var msgs = r[C.prompt] || [];
-    if (!msgs.length) td.appendChild(el("pre", "(prompt not in this report)"));
-    msgs.forEach(function (m) { td.appendChild(el("div", m[0], "role")); td.appendChild(el("pre", texts[m[1]])); });
-    td.appendChild(el("div", val(r, "status") === "error" ? "Error" : "Reply", "role"));
-    td.appendChild(el("pre", val(r, "raw")));
-    td.appendChild(el("div", "Answer " + (val(r, "pred") || "–") + " (read by: " + val(r, "method") + "), gold " + val(r, "gold") + ", target " + (val(r, "target") || "–"), "role"));
+    var box = el("div"); td.appendChild(box);
+    function fill() {
+      var f = P.prompts[K.prompt[i]] || [];
+      if (!f.length) box.appendChild(el("pre", "(prompt not in this report)"));
+      for (var k = 0; k < f.length; k += 2) { box.appendChild(el("div", P.roles[f[k]], "role")); box.appendChild(el("pre", P.texts[f[k + 1]])); }
+    }
+    if (P) fill(); else { box.appendChild(el("pre", "(decoding the prompts…)")); prompts().then(function () { box.textContent = ""; fill(); }); }
+    td.appendChild(el("div", val(i, "status") === "error" ? "Error" : "Reply", "role"));
+    td.appendChild(el("pre", val(i, "raw")));
+    td.appendChild(el("div", "Answer " + (val(i, "pred") || "–") + " (read by: " + val(i, "method") + "), gold " + val(i, "gold") + ", target " + (val(i, "target") || "–"), "role"));
     var tr = el("tr", null, "detail"); tr.appendChild(td); return tr;
   }
   function draw() {
     var body = document.getElementById("rows-body"); body.textContent = "";
-    var pages = Math.max(1, Math.ceil(shown.length / PAGE)); if (page >= pages) page = pages - 1;
-    var count = document.getElementById("count"); count.textContent = shown.length + " of " + rows.length + " rows";
-    count.setAttribute("data-n", String(shown.length));
+    var pages = Math.max(1, Math.ceil(nShown / PAGE)); if (page >= pages) page = pages - 1;
+    count.textContent = nShown + " of " + N + " rows";
+    count.setAttribute("data-n", String(nShown));
     document.getElementById("page").textContent = "page " + (page + 1) + " / " + pages;
-    shown.slice(page * PAGE, (page + 1) * PAGE).forEach(function (i) {
-      var r = rows[i], tr = el("tr", null, "item"); tr.setAttribute("data-row", String(i));
-      ["model", "item_id", "condition", "target", "gold", "pred", "method", "status"].forEach(function (c) { tr.appendChild(el("td", val(r, c))); });
-      tr.appendChild(el("td", r[C.flipped] ? "flipped" : "", r[C.flipped] ? "flip" : ""));
-      tr.appendChild(el("td", val(r, "content"))); tr.appendChild(el("td", val(r, "provenance")));
-      var raw = val(r, "raw"); tr.appendChild(el("td", raw.length > 160 ? raw.slice(0, 160) + "…" : raw, "reply"));
+    for (var s = page * PAGE; s < Math.min(nShown, (page + 1) * PAGE); s++) (function (i) {
+      var tr = el("tr", null, "item"), flip = val(i, "flipped") === "true"; tr.setAttribute("data-row", String(i));
+      ["model", "item_id", "condition", "target", "gold", "pred", "method", "status"].forEach(function (c) { tr.appendChild(el("td", val(i, c))); });
+      tr.appendChild(el("td", flip ? "flipped" : "", flip ? "flip" : ""));
+      tr.appendChild(el("td", val(i, "content"))); tr.appendChild(el("td", val(i, "provenance")));
+      var raw = val(i, "raw"); tr.appendChild(el("td", raw.length > 160 ? raw.slice(0, 160) + "…" : raw, "reply"));
       tr.addEventListener("click", function () {
         var next = tr.nextSibling;
-        if (next && next.className === "detail") body.removeChild(next); else body.insertBefore(detail(r), next);
+        if (next && next.className === "detail") body.removeChild(next); else body.insertBefore(detail(i), next);
       });
       body.appendChild(tr);
-    });
+    })(shown[s]);
   }
-  document.getElementById("prev").addEventListener("click", function () { if (page > 0) { page--; draw(); } });
-  document.getElementById("next").addEventListener("click", function () { if ((page + 1) * PAGE < shown.length) { page++; draw(); } });
-  apply();
+  function start() {
+    FILTERS.forEach(function (f) {
+      var sel = document.getElementById("f-" + f), k = K[f], n = new Uint32Array(D[f].length), seen = {};
+      for (var i = 0; i < N; i++) n[k[i]]++;
+      D[f].forEach(function (x, j) { var v = x === null ? "" : String(x); if (n[j]) seen[v] = (seen[v] || 0) + n[j]; });
+      Object.keys(seen).sort().forEach(function (v) { var o = el("option", (v === "" ? "(none)" : v) + " (" + seen[v] + ")"); o.value = v; sel.appendChild(o); });
+      sel.addEventListener("change", function () { page = 0; apply(); });
+    });
+    search.addEventListener("input", function () { clearTimeout(timer); timer = setTimeout(function () { page = 0; apply(); }, 150); });
+    document.getElementById("prev").addEventListener("click", function () { if (page > 0) { page--; draw(); } });
+    document.getElementById("next").addEventListener("click", function () { if ((page + 1) * PAGE < nShown) { page++; draw(); } });
+    apply();
+    document.body.setAttribute("data-rows", "ready");
+    setTimeout(prompts, 0);
+  }
+  Promise.all([gunzip("rows-codes"), gunzip("rows-values")]).then(function (r) {
+    var T = {u8: Uint8Array, u16: Uint16Array, u32: Uint32Array};
+    meta.columns.forEach(function (c) { K[c[0]] = new T[c[1]](r[0], c[2], N); });
+    D = parse(r[1]); start();
+  }).catch(function (e) { count.textContent = "the rows could not be decoded in this browser (" + e + "); a current Chrome, Firefox or Safari reads them"; });
 })();
 """
 
-def _page(title:str, meta:str, t1_html:str, bd_html:str, figs, data_json:str)->str:
+def _page(title:str, meta:str, t1_html:str, bd_html:str, figs, rows:dict)->str:
     e = html.escape
     csp_hash = base64.b64encode(hashlib.sha256(_JS.encode()).digest()).decode()
     csp = f"default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'sha256-{csp_hash}'; base-uri 'none'; form-action 'none'"
@@ -427,7 +517,10 @@ def _page(title:str, meta:str, t1_html:str, bd_html:str, figs, data_json:str)->s
 <div id="filters">{filters}<label>search (item, reply, prompt)<input id="search" type="search" placeholder="text…"></label></div>
 <div id="pager"><button id="prev" type="button">◀ prev</button><span id="page"></span><button id="next" type="button">next ▶</button><span id="count" data-n="0"></span></div>
 <table id="rows"><thead><tr>{heads}</tr></thead><tbody id="rows-body"></tbody></table>
-<script type="application/json" id="report-data">{data_json}</script>
+<script type="application/json" id="report-data">{json_for_script(rows["meta"])}</script>
+<script type="application/octet-stream" id="rows-codes">{_blob(rows["codes"])}</script>
+<script type="application/octet-stream" id="rows-values">{_blob(rows["dicts"])}</script>
+<script type="application/octet-stream" id="rows-prompts">{_blob(rows["prompts"])}</script>
 <script>{_JS}</script>
 </body></html>
 """
@@ -461,7 +554,7 @@ def write_report(run_dirs:Sequence[str|Path]|str|Path, # one or more run folders
     from medsafe_nb.figures.plots import paper_reference
     if isinstance(run_dirs, (str, Path)): run_dirs = [run_dirs]
     if not run_dirs: raise ConfigError("report: give at least one run folder")
-    preds, data = browser_rows(run_dirs, prompts=prompts)
+    preds, table = browser_rows(run_dirs, prompts=prompts)
     if paper is None:
         try: paper = paper_reference()
         except MetricsError: paper = {}
@@ -470,7 +563,18 @@ def write_report(run_dirs:Sequence[str|Path]|str|Path, # one or more run folders
     meta = html.escape(f"{len(run_dirs)} run(s): {', '.join(str(d) for d in run_dirs)} · {preds.model.nunique()} model(s) · "
                        f"{preds.item_id.nunique()} items · {len(preds)} rows · n_boot={n_boot}, seed={seed}" + (f" · {note}" if note else ""))
     page = _page(title, meta, table1_html(t1, paper.get("table1")), breakdowns_html(bd, paper.get("breakdowns")), figs,
-                 json_for_script(data))
+                 encode_rows(table))
     out_html = Path(out_html)
     out_html.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(out_html, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
+
+# %% ../nbs/17_report.ipynb #5ca1e0a5
+def read_report_rows(html_path:str|Path)->pd.DataFrame: # the browser's table: BROWSER_COLUMNS, one row per prediction row
+    "The rows a report file carries, decoded as the page decodes them"
+    import gzip
+    text = Path(html_path).read_text(encoding="utf-8")
+    block = lambda i: re.search(rf'<script type="[^"]+" id="{i}">(.*?)</script>', text, re.S)
+    if not block("report-data"): raise MedsafeError(f"{html_path}: not a report written by `medsafe report` (no row data)")
+    raw = lambda i: gzip.decompress(base64.b64decode(block(i)[1]))
+    return decode_rows({"meta": json.loads(block("report-data")[1]), "codes": raw("rows-codes"), "dicts": raw("rows-values"),
+                        "prompts": raw("rows-prompts")})

@@ -64,3 +64,22 @@ def screenshot_path(name:str):
     from pathlib import Path
     if os.environ.get("MEDSAFE_UPDATE_SCREENSHOTS"): return Path(__file__).resolve().parents[1] / "nbs" / "images" / name
     return Path(tempfile.mkdtemp(prefix="medsafe-shots-")) / name
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory):
+    """The packaged SmolLM2-135M-Instruct GGUF (`smollm2`) dequantized once per session into a temporary GGUF cache
+    (MEDSAFE_GGUF_CACHE points there for the whole session); skips, saying how to install it, where it is missing"""
+    import time
+    from types import SimpleNamespace
+    from medsafe_nb.core import ConfigError
+    from medsafe_nb.models.hf import smollm2_gguf, gguf_checkpoint, GGUF_CACHE_ENV
+    try: gguf = smollm2_gguf()
+    except ConfigError as e: pytest.skip(str(e))
+    cache = tmp_path_factory.mktemp("gguf-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(GGUF_CACHE_ENV, str(cache))
+    t0 = time.perf_counter()
+    folder, sha = gguf_checkpoint(gguf)
+    yield SimpleNamespace(gguf=gguf, cache=cache, folder=folder, sha256=sha, build_s=time.perf_counter() - t0)
+    mp.undo()

@@ -1,7 +1,7 @@
 """The analysis notebooks (nbs/analysis) end to end under papermill on the smoke params: one typed `params_file`
 parameter each, every output written, byte-identical tables on a rerun, and Table 1 equal to what `medsafe metrics`
 computes."""
-import contextlib, io, json, subprocess, sys
+import contextlib, io, json, shutil, subprocess, sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,10 +52,12 @@ def smoke(tmp_path_factory):
 def test_committed_params_load():
     "demo, smoke and paper validate; smoke stays out of the committed figures/; paper's labels are the paper's rows"
     demo, smoke, paper = (params.load_params(PARAMS / f"{n}.yaml") for n in ("demo", "smoke", "paper"))
-    assert [m.model for m in demo.models] == ["minilm", "tiny", "shortcut:longest", "shortcut:authority", "shortcut:overlap"]
-    assert [m.label for m in demo.models][2:] == [f"shortcut:{n} (control)" for n in ("longest", "authority", "overlap")]
-    assert all(m.config.scoring == "generate" for m in demo.models[2:])
-    assert demo.run.conditions == ("clean", "type1", "type2", "type2_shuffled")
+    assert [m.model for m in demo.models] == ["smollm2", "smollm2", "minilm", "tiny", "shortcut:longest", "shortcut:authority", "shortcut:overlap"]
+    assert [m.label for m in demo.models][4:] == [f"shortcut:{n} (control)" for n in ("longest", "authority", "overlap")]
+    assert all(m.config.scoring == "generate" for m in demo.models[4:])
+    assert [m.config.scoring for m in demo.models[:2]] == ["options", "logprob"]   # the real model, scored two ways
+    assert all("type1_true" in m.config.conditions and "type1_placebo" in m.config.conditions for m in demo.models)
+    assert demo.run.conditions == ("clean", "type1", "type2", "type2_shuffled", "type1_true", "type1_placebo")
     assert (demo.run.data, demo.n_boot, demo.run.seed, demo.figures_dir) == ("sample", 1000, 0, "figures")
     assert (demo.runs_dir, demo.run.ledger) == ("data/runs/demo", "data/runs/demo/ledger.sqlite")
     assert smoke.run.limit and smoke.run.limit <= 10 and smoke.n_boot <= 100
@@ -120,11 +122,13 @@ def test_outputs_exist(smoke):
         assert rec["conditions"] == ["clean", "type1", "type2", "type2_shuffled"]
     t1 = pd.read_csv(out / "table1_main.csv")
     assert set(t1.source) == {"this run", "paper"}
-    assert {m.label for m in prm.models} | {"Mean"} <= set(t1[t1.source == "this run"].model)
+    assert {m.label for m in prm.models} == set(t1[t1.source == "this run"].model)   # controls only: listed, no Mean row of this run
     assert "this run" in (out / "table1_main.md").read_text() and "paper" in (out / "breakdowns_content.md").read_text()
     assert "Not LLM results" in (out / "summary.md").read_text()
     pc = pd.read_csv(out / "position_control.csv")
-    assert list(pc.model) == [m.label for m in prm.models] + ["Mean"] and pc.type2_shuffled_acc.notna().all()
+    assert list(pc.model) == [m.label for m in prm.models] and pc.type2_shuffled_acc.notna().all()   # the Mean averages language models only
+    from medsafe_nb.figures.tables import NO_MEAN_NOTE
+    assert NO_MEAN_NOTE in (out / "summary.md").read_text()
 
 
 def test_tables_identical_on_rerun(smoke):
@@ -201,3 +205,20 @@ def test_no_secret_in_any_output(smoke):
             assert find_secret(text, str(p)) is None, find_secret(text, str(p))
             scanned += 1
     assert scanned > 20
+
+
+def test_figures_from_a_second_clone(tmp_path):
+    "`medsafe figures` run in another checkout that shares this venv writes into that checkout, with paths relative to it"
+    clone = tmp_path / "clone"
+    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".venv*", ".git", "runs", "cache", "__pycache__", "*.sqlite*"))
+    (clone / "quick.yaml").write_text("data: sample\nlimit: 4\nconditions: clean,type1,type2\nmodels:\n  - model: shortcut:longest\n"
+                                      "runs_dir: data/runs/quick\nledger: data/runs/quick/ledger.sqlite\nfigures_dir: data/runs/quick/figures\nn_boot: 20\n")
+    medsafe = Path(sys.executable).parent / "medsafe"          # the console script of the shared venv (its package is this checkout)
+    assert medsafe.exists(), medsafe
+    r = subprocess.run([str(medsafe), "figures", "--params", "quick.yaml", "--only", "01,02,05"], cwd=clone,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert (clone / "data/runs/quick/figures/table1_main.csv").is_file()
+    assert not (ROOT / "data/runs/quick").exists()                                   # nothing written into this checkout
+    summary = (clone / "data/runs/quick/figures/summary.md").read_text()
+    assert "quick.yaml" in summary and str(tmp_path) not in summary                  # the params path as the checkout knows it

@@ -14,7 +14,8 @@ from medsafe_nb.core import ConfigError, MedsafeError
 from medsafe_nb.items.schema import Item, read_items
 from medsafe_nb.items.taxonomy import CONTENT, PROVENANCE
 from medsafe_nb.models.base import make_backend, parse_spec, GenRequest
-from medsafe_nb.testing.doubles import ScriptedBackend, parse_tag
+from medsafe_nb.testing.doubles import ScriptedBackend
+from medsafe_nb.construct.common import parse_tag
 from medsafe_nb.construct.gate import ConstructConfig
 from medsafe_nb.construct.checks import REJECTION_REASONS
 from medsafe_nb.construct.build import OUTPUT_FILES, build_command, construct_benchmark, read_sources
@@ -164,7 +165,16 @@ def test_every_rejection_reason_is_exercised(built, tmp_path, monkeypatch):
     reasons = {d["item_id"]: d["reason"] for d in res.rejections}
     assert reasons == {"all-gold": "no_wrong_option", "no-candidate": "no_candidate", "unrecorded": "backend_error"}
     assert "no recorded reply" in res.rejections[-1]["detail"]
-    assert seen | set(reasons.values()) == set(REJECTION_REASONS)
+    monkeypatch.undo()
+    import pandas as pd
+    from medsafe_nb.construct.build import drop_artefacts
+    main = construct_benchmark(read_sources(POOL, limit=2), make_backend(SCRIPTED), progress=False)
+    assert main.items, "the scripted build accepts items"
+    flagged = pd.DataFrame([{"item_id": main.items[0].id, "n_probes": 3, "expected": 0.1, "stands_out": True}])
+    screened = drop_artefacts(main, flagged)                      # the audit stage: an item whose true sentence stands out
+    artefact = {d["reason"] for d in screened.rejections} - {d["reason"] for d in main.rejections}
+    assert artefact == {"artefact"} and len(screened.items) == len(main.items) - 1
+    assert seen | set(reasons.values()) | artefact == set(REJECTION_REASONS)
 
 
 @needs_sources

@@ -94,7 +94,8 @@ def test_typer_only_in_the_command_line():
 
 
 def test_each_vocabulary_defined_once():
-    names = ("SPLITS", "CONDITIONS", "ALL_CONDITIONS", "STATUSES", "EFFORTS", "MITIGATIONS", "SCORINGS", "PROMPTS", "ENGINES")
+    names = ("SPLITS", "CONDITIONS", "ALL_CONDITIONS", "STATUSES", "EFFORTS", "MITIGATIONS", "SCORINGS", "PROMPTS", "ENGINES",
+             "SEARCH_MODES", "EVIDENCE_POSITIONS", "SEARCH_SPECS", "ANSWER_PREFIX")
     for name in names:
         owners = sorted(m for m, p in MODULES.items() if re.search(rf"^{name}\s*=", p.read_text(), re.M))
         assert owners == ["core"], (name, owners)
@@ -109,3 +110,18 @@ def test_no_backend_parses_a_prompt():
 def test_production_code_never_imports_the_test_doubles():
     users = sorted(m for m in MODULES if not m.startswith("testing") and any(t.startswith("testing") for t in graph()[m]))
     assert users == [], users
+
+
+def test_no_module_branches_on_a_kind_outside_the_models_lane():
+    "A backend kind's facts live in the registry (models.base): no other lane compares a spec's kind with a kind's name"
+    from medsafe_nb.models.base import public_kinds
+    kinds = "|".join(public_kinds())
+    pat = re.compile(rf"""\b(kind|\w+\.kind|parse_spec\([^)]*\)\[0\])\s*(==|!=|in|not in)\s*[\(\[{{]?\s*["']({kinds})["']""")
+    users = sorted(m for m, p in MODULES.items() if not m.startswith("models") and pat.search(p.read_text()))
+    assert users == [], users
+
+
+def test_one_model_spec_parser():
+    "Only models.base splits a model spec into kind and name"
+    owners = sorted(m for m, p in MODULES.items() if re.search(r"^def (parse_spec|model_spec)\b", p.read_text(), re.M))
+    assert owners == ["models.base"]

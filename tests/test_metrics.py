@@ -191,7 +191,7 @@ def test_write_metrics_writes_identical_files(tmp_path, run_dirs):
     tables, files = write_metrics(run_dirs, out=str(out1), n_boot=100, seed=0)
     write_metrics(run_dirs, out=str(out2), n_boot=100, seed=0)
     names = sorted(p.name for p in out1.iterdir())
-    assert names == sorted(f"{t}.{x}" for t in ("table1", "breakdowns", "mcnemar", "logprob") for x in ("csv", "md", "tex"))
+    assert names == sorted(f"{t}.{x}" for t in ("table1", "breakdowns", "mcnemar", "logprob", "tasr_baseline", "usage") for x in ("csv", "md", "tex"))
     assert sorted(p.name for p in files) == names
     match, mismatch, errors = filecmp.cmpfiles(out1, out2, names, shallow=False)
     assert match == names, (mismatch, errors)
@@ -201,7 +201,7 @@ def test_write_metrics_writes_identical_files(tmp_path, run_dirs):
     assert not (t1.type1_asr * 10).round(6).eq((t1.type1_asr * 10).round()).all()
     md_asr = [float(line.split(" | ")[5]) for line in (out1 / "table1.md").read_text().splitlines()[2:]]
     assert md_asr == [round(v, 1) for v in tables["table1"].type1_asr]  # one decimal for reading
-    assert set(tables) == {"table1", "breakdowns", "mcnemar", "logprob"}
+    assert set(tables) == {"table1", "breakdowns", "mcnemar", "logprob", "tasr_baseline", "usage"}
 
 
 def test_write_metrics_errors_name_the_path(tmp_path, run_dirs):

@@ -1,4 +1,4 @@
-"""Mitigations (issue 11): bm25 on the demo corpus, offline replay byte for byte, the tool-loop limits, web-search
+"""Mitigations: bm25 on the demo corpus, offline replay byte for byte, the tool-loop limits, web-search
 failures ending in a status, no key in any written file, tool calls in the OpenAI wire format against the local mock
 server (and Anthropic / Gemini through their SDK types when installed), and `medsafe run --mitigation search` end to end."""
 import io, json, os, shutil, threading, time

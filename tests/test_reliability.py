@@ -1,4 +1,4 @@
-"""The reliability suite (issue 13): hostile inputs, hostile servers, kill -9 at random moments, concurrent writers and a
+"""The reliability suite: hostile inputs, hostile servers, kill -9 at random moments, concurrent writers and a
 secret scan of every file `run` and `metrics` write. It prints its figures; every count of failures must be 0.
 
 Runs in-process (forked children for the kills) to stay within a couple of minutes on two cores."""
@@ -18,7 +18,11 @@ from medsafe_nb.metrics.io import write_metrics
 pytestmark = pytest.mark.integration   # real components end to end: `make test-integration`
 
 FIGURES = {"inputs tried": 0, "clear errors": 0, "tracebacks": 0, "hangs": 0, "rows lost": 0, "rows duplicated": 0,
-           "kill trials (run)": 0, "kill trials (metrics)": 0, "secrets found": 0}
+           "kill trials (run)": 0, "kill trials (metrics)": 0, "secrets found": 0,
+           "torchrun trials (beside a CPU burner)": 0, "torchrun aborts": 0,
+           "signal trials (server)": 0, "signal trials (in-process)": 0, "graceful stops": 0, "answers lost": 0,
+           "asked again after a graceful stop": 0, "stale locks": 0, "second-signal trials": 0,
+           "disk-full trials": 0, "damaged ledgers tried": 0, "damaged ledgers opened": 0, "damaged ledgers changed": 0}
 KEY = "sk-reliab-" + "Q7x" * 12
 SAMPLE = load_medmisbench()
 ROW = json.loads(Path(os.environ.get("MEDSAFE_SAMPLE", "") or (Path(__file__).parents[1] / "data/sample/medmisbench_sample.jsonl")).read_text().splitlines()[0])
@@ -307,3 +311,255 @@ def test_secret_scan_of_everything_written(tmp_path):
     found = _scan(tmp_path, KEY, env["MY_SERVICE_TOKEN"])
     FIGURES["secrets found"] += found
     assert found == 0
+
+
+# ---------------------------------------------------------------- 5. data parallelism on a busy machine
+
+BURNER = "import multiprocessing as mp, os\ndef spin():\n    while True: pass\nif __name__ == '__main__':\n" \
+         "    ps = [mp.Process(target=spin) for _ in range(os.cpu_count() or 2)]\n    [p.start() for p in ps]; [p.join() for p in ps]\n"
+
+
+def test_torchrun_ten_times_beside_a_cpu_burner(tmp_path, tiny_model_dir):
+    "The two-process torchrun test, 10 times in a row while every core spins: a worker that aborts at exit fails it"
+    from test_hf import test_data_parallel_two_cpu_processes as two_processes
+    burner = subprocess.Popen([sys.executable, "-c", BURNER], start_new_session=True)
+    failures = []
+    try:
+        for k in range(10):
+            (tmp_path / f"t{k}").mkdir()
+            try: two_processes(tmp_path / f"t{k}", tiny_model_dir)
+            except (AssertionError, subprocess.TimeoutExpired) as e: failures.append(f"trial {k}: {str(e)[-600:]}")
+            FIGURES["torchrun trials (beside a CPU burner)"] += 1
+    finally:
+        os.killpg(burner.pid, signal.SIGKILL); burner.wait()
+    FIGURES["torchrun aborts"] = len(failures)
+    assert failures == [], "\n".join(failures)
+
+
+# ---------------------------------------------------------------- 6. SIGTERM and Ctrl-C at seeded random moments
+
+def _wait_for_lock(out: Path, proc_alive, limit=120):
+    "Until the run holds its folder's lock (its signal handlers are installed before it takes it)"
+    lock, deadline = out / ".medsafe.lock", time.monotonic() + limit
+    while not (lock.exists() and lock.read_text().strip()):
+        assert proc_alive() and time.monotonic() < deadline, "the run never took its lock"
+        time.sleep(0.01)
+
+
+def _stale_locks(out: Path) -> int:
+    "Lock files of OUT and its ledger that another writer cannot take now"
+    from medsafe_nb.core import exclusive_lock, LockedError
+    stale = 0
+    for lock in (out / ".medsafe.lock", out / "ledger.sqlite.lock"):
+        try:
+            with exclusive_lock(lock): pass
+        except LockedError: stale += 1
+    return stale
+
+
+def _cli_child(args):
+    "A forked `medsafe` command line: exits with the command's exit code"
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    from medsafe_nb.cli import app
+    try: app(args, standalone_mode=True)
+    except SystemExit as e: os._exit(e.code if isinstance(e.code, int) else 1)
+    os._exit(0)
+
+
+def _check_stopped(out: Path, rc: int, signum: int) -> bool:
+    "A stopped run: the shell's exit code, no manifest, the rows it wrote all in its ledger; True when it was stopped"
+    if (out / "manifest.json").is_file():                                        # it finished before the signal (then printing
+        assert rc in (0, -signum, 128 + signum), rc                              # its summary may have been cut short)
+        return False
+    assert rc == 128 + signum, rc
+    assert not (out / "manifest.json").exists()                                  # uncommitted: metrics refuse it
+    rec = json.loads((out / "run.json").read_text())
+    kept = pd.read_parquet(out / "predictions.parquet")
+    assert rec["stopped"]["signal"] == signal.Signals(signum).name and rec["stopped"]["rows_answered"] == len(kept)
+    assert (kept["status"] != "error").all()
+    FIGURES["graceful stops"] += 1
+    return True
+
+
+def test_signal_trials_against_the_server(tmp_path):
+    "10 runs stopped by SIGTERM or SIGINT at seeded moments: every answer the server gave is kept, none is asked twice"
+    rng, limit = random.Random(22), 10
+    with MockServer(policy="hash", delay=lambda n, body: 0.02 + (n * 7919 % 13) / 100) as srv:
+        ref = _api_run(tmp_path / "ref", srv.base_url, limit=limit).drop(columns="latency_s")
+        for t in range(10):
+            base = len(srv.completions())                    # the server's log so far (the reference run, earlier trials)
+            out, signum = tmp_path / f"s{t}", (signal.SIGTERM, signal.SIGINT)[t % 2]
+            args = ["run", "--model", "openai:mock-model", "--base-url", srv.base_url, "--out", str(out), "--limit", str(limit),
+                    "--no-progress", "--concurrency", "4", "--stop-grace-s", "30"]
+            p = mp.get_context("fork").Process(target=_cli_child, args=(args,)); p.start()
+            _wait_for_lock(out, p.is_alive)
+            time.sleep(rng.uniform(0.0, 1.0))                 # the seeded moment: anywhere in a run of about a second
+            if p.is_alive(): os.kill(p.pid, signum)
+            p.join(120); assert p.exitcode is not None, "the stopped run did not end"
+            _check_stopped(out, p.exitcode, signum)
+            FIGURES["stale locks"] += _stale_locks(out)
+            answered = len(srv.completions()) - base
+            keys = _ledger_requests(out / "ledger.sqlite")
+            FIGURES["answers lost"] += answered - len(set(keys))            # an answer the server sent but the ledger lacks
+            res = _api_run(out, srv.base_url, limit=limit).drop(columns="latency_s")
+            check_manifest(out)
+            FIGURES["rows lost"] += int(not ref.equals(res))
+            FIGURES["asked again after a graceful stop"] += len(srv.completions()) - base - 3 * limit
+            FIGURES["signal trials (server)"] += 1
+    assert (FIGURES["answers lost"], FIGURES["asked again after a graceful stop"], FIGURES["stale locks"]) == (0, 0, 0)
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    "SIGTERM twice: the process ends at once with 143; the ledger stays readable and the same command completes the run"
+    with MockServer(policy="hash", delay=0.5) as srv:
+        out = tmp_path / "twice"
+        args = ["run", "--model", "openai:mock-model", "--base-url", srv.base_url, "--out", str(out), "--limit", "10",
+                "--no-progress", "--concurrency", "2", "--stop-grace-s", "600"]
+        p = mp.get_context("fork").Process(target=_cli_child, args=(args,)); p.start()
+        _wait_for_lock(out, p.is_alive)
+        deadline = time.monotonic() + 60
+        while not srv.completions(): time.sleep(0.01); assert time.monotonic() < deadline
+        os.kill(p.pid, signal.SIGTERM); time.sleep(0.1); os.kill(p.pid, signal.SIGTERM)
+        p.join(30)
+        assert p.exitcode == 143 and not (out / "manifest.json").exists()
+        _ledger_requests(out / "ledger.sqlite")                                   # readable
+        assert _stale_locks(out) == 0
+        df = _api_run(out, srv.base_url, limit=10)
+        assert len(df) == 30 and (df["status"] == "ok").all()
+        check_manifest(out)
+        FIGURES["second-signal trials"] += 1
+
+
+INPROCESS_WORKER = r"""
+import os, sys
+from medsafe_nb.models.hf import HFBackend
+_fit = HFBackend._fit
+def counted(self, batch_fn, batch, on_error):
+    out = _fit(self, batch_fn, batch, on_error)
+    with open(os.environ["MEDSAFE_COMPUTED"], "a") as f: f.write(f"{len(out)}\n")      # every result computed, batch by batch
+    return out
+HFBackend._fit = counted
+from medsafe_nb.cli import app
+app(sys.argv[1:])
+"""
+
+
+def test_signal_trials_in_process(tmp_path, tiny_model_dir):
+    "10 runs of the tiny model in process, stopped at seeded moments: every result computed is kept, none is computed twice"
+    rng = random.Random(23)
+    (tmp_path / "worker.py").write_text(INPROCESS_WORKER)
+    common = dict(model=f"hf:{tiny_model_dir}", limit=12, max_new_tokens=6, batch_size=2, progress=False)
+    ref = run(out=str(tmp_path / "ref"), **common)
+    for t in range(10):
+        out, signum = tmp_path / f"p{t}", (signal.SIGINT, signal.SIGTERM)[t % 2]
+        computed = tmp_path / f"p{t}.computed"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MEDSAFE_COMPUTED": str(computed)}
+        p = subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), "run", "--model", common["model"], "--out", str(out),
+                              "--limit", "12", "--max-new-tokens", "6", "--batch-size", "2", "--no-progress"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if t == 0: _wait_for_lock(out, lambda: p.poll() is None)          # one stop before the model is even loaded
+        else:
+            deadline = time.monotonic() + 240
+            while not computed.exists() and p.poll() is None and time.monotonic() < deadline: time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 2.0))                 # the seeded moment: anywhere in about 18 batches
+        if p.poll() is None: p.send_signal(signum)
+        _, err = p.communicate(timeout=300)
+        try: stopped = _check_stopped(out, p.returncode, signum)
+        except AssertionError as e: raise AssertionError(f"trial {t}: {e}\n{err[-3000:]}") from None
+        if stopped: assert "Run the same command again to resume" in err, err[-2000:]
+        FIGURES["stale locks"] += _stale_locks(out)
+        done = sum(int(x) for x in computed.read_text().split()) if computed.exists() else 0
+        kept = len(_ledger_requests(out / "ledger.sqlite"))
+        FIGURES["answers lost"] += done - kept                                  # computed, never stored
+        res = run(out=str(out), **common)
+        check_manifest(out)
+        rec = json.loads((out / "run.json").read_text())
+        final = len(_ledger_requests(out / "ledger.sqlite"))
+        FIGURES["asked again after a graceful stop"] += done + rec["ledger_stats"]["asked"] - final   # computations beyond the distinct results
+        cols = ["item_id", "condition", "target", "pred", "status", "raw"]
+        if not ref[cols].equals(res[cols]): print(f"trial {t} DIFF", ref[cols].compare(res[cols]).head(6).to_dict("records"), err[-1500:])
+        FIGURES["rows lost"] += int(not ref[cols].equals(res[cols]))
+        FIGURES["signal trials (in-process)"] += 1
+    assert (FIGURES["answers lost"], FIGURES["asked again after a graceful stop"], FIGURES["stale locks"], FIGURES["rows lost"]) == (0, 0, 0, 0)
+
+
+# ---------------------------------------------------------------- 7. a full disk
+
+@pytest.fixture
+def small_disk(tmp_path):
+    "A 160 KiB tmpfs at tmp_path/disk (unmounted after): `grow()` frees space by enlarging it"
+    d = tmp_path / "disk"; d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode: pytest.skip(f"cannot mount a small tmpfs here (needs root and mount rights): {(r.stderr or r.stdout).strip()}")
+    try: yield d, lambda: subprocess.run(["mount", "-o", "remount,size=16m", str(d)], check=True)
+    finally: subprocess.run(["umount", "-l", str(d)])
+
+
+@pytest.mark.parametrize("where", ["ledger", "out"])
+def test_disk_full(tmp_path, small_disk, where):
+    "The ledger's disk, or the run folder's, fills up: a clear error naming the path, a readable ledger, a rerun that completes"
+    disk, grow = small_disk
+    out = disk / "run" if where == "ledger" else disk / "run"
+    ledger = None if where == "ledger" else str(tmp_path / "ledger.sqlite")          # "out": only the run folder is small
+    limit = 40 if where == "ledger" else 10
+    if where == "out": (disk / "filler").write_bytes(b"x" * (150 * 1024))         # what is left: room for the locks, not the table
+    with MockServer(policy="hash") as srv:
+        ref = _api_run(tmp_path / "ref", srv.base_url, limit=limit).drop(columns="latency_s")
+        with pytest.raises(MedsafeError) as e: _api_run(out, srv.base_url, limit=limit, ledger=ledger)
+        msg = str(e.value)
+        full_path = (out / "ledger.sqlite") if where == "ledger" else (out / "predictions.parquet")
+        assert str(full_path) in msg and ("disk is full" in msg or "no space left" in msg), msg
+        kept = _ledger_requests(Path(ledger) if ledger else out / "ledger.sqlite")     # readable
+        assert len(kept) == len(set(kept)) > 0
+        assert not (out / "manifest.json").exists()
+        grow()
+        if where == "out": (disk / "filler").unlink()
+        res = _api_run(out, srv.base_url, limit=limit, ledger=ledger).drop(columns="latency_s")
+        check_manifest(out)
+        FIGURES["rows lost"] += int(not ref.equals(res))
+        assert ref.equals(res)
+    FIGURES["disk-full trials"] += 1
+
+
+# ---------------------------------------------------------------- 8. a damaged ledger
+
+def _damaged(data: bytes, rng) -> dict:
+    "name -> bytes: the ways a ledger file gets damaged"
+    n = len(data)
+    cut = lambda k: data[:k]
+    return {"truncated-half": cut(n // 2), "truncated-odd": cut(n - 1234), "truncated-header": cut(60),
+            "header-zeroed": bytes(100) + data[100:], "header-garbage": rng.randbytes(100) + data[100:],
+            "page-2-zeroed": data[:4096] + bytes(4096) + data[8192:], "page-1-body-garbage": data[:100] + rng.randbytes(3996) + data[4096:],
+            "middle-garbage": data[:n // 2] + rng.randbytes(8192) + data[n // 2 + 8192:],
+            "tail-garbage": data[:n - 8192] + rng.randbytes(8192), "random-bytes": rng.randbytes(n),
+            "scattered": bytes(b if rng.random() > 0.01 else rng.randrange(256) for b in data)}
+
+
+def test_damaged_ledgers(tmp_path):
+    "Each damaged ledger is refused at open with a clear error naming it, left as it was, and salvage recovers the readable rows"
+    from medsafe_nb.run.ledger import Ledger, LedgerError, salvage_ledger
+    rng = random.Random(int(os.environ.get("MEDSAFE_DAMAGE_SEED", "4")))
+    with MockServer(policy="hash") as srv:
+        ref = _api_run(tmp_path / "ref", srv.base_url, limit=30).drop(columns="latency_s")
+        good = (tmp_path / "ref" / "ledger.sqlite").read_bytes()
+        n = len(_ledger_requests(tmp_path / "ref" / "ledger.sqlite"))
+        for name, data in _damaged(good, rng).items():
+            p = tmp_path / f"{name}.sqlite"; p.write_bytes(data)
+            FIGURES["damaged ledgers tried"] += 1
+            try:
+                with Ledger(p): FIGURES["damaged ledgers opened"] += 1; print("opened a damaged ledger:", name)
+            except LedgerError as e: assert str(p) in str(e), str(e)
+            r = subprocess.run([sys.executable, "-m", "medsafe_nb.cli", "ledger", "check", str(p)], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and str(p) in r.stderr and "Traceback" not in r.stderr, (name, r.stderr[-500:])
+            FIGURES["damaged ledgers changed"] += int(p.read_bytes() != data)
+            try: report = salvage_ledger(p, tmp_path / f"{name}.salvaged.sqlite")
+            except LedgerError as e: print(f"{name}: nothing to salvage ({e})"); continue
+            assert report["rows_kept"] <= n and p.read_bytes() == data
+            print(f"{name}: salvaged {report['rows_kept']} of {n} rows")
+            out = tmp_path / f"{name}.run"                                             # the way on: rerun with the salvaged ledger
+            res = _api_run(out, srv.base_url, limit=30, ledger=str(tmp_path / f"{name}.salvaged.sqlite")).drop(columns="latency_s")
+            if not ref.equals(res):
+                dif = [(i, c, ref.at[i, c], res.at[i, c]) for i in ref.index for c in ref.columns if not (ref.at[i, c] == res.at[i, c] or (pd.isna(ref.at[i, c]) and pd.isna(res.at[i, c])))]
+                print(name, "DIFF", dif[:6], len(ref), len(res))
+            FIGURES["rows lost"] += int(not ref.equals(res))
+    assert (FIGURES["damaged ledgers opened"], FIGURES["damaged ledgers changed"]) == (0, 0)

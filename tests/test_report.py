@@ -37,8 +37,9 @@ def test_report(minilm_run_dir, tmp_path):
     r = runner.invoke(app, ["report", str(minilm_run_dir), "--out", str(out), "--n-boot", "20"])
     assert r.exit_code == 0, r.output
     html = out.read_text()
-    data = json.loads(re.search(r'<script type="application/json" id="report-data">(.*?)</script>', html, re.S)[1])
-    assert len(data["rows"]) == 72 and data["columns"][0] == "model"
+    rows = report.read_report_rows(out)
+    assert len(rows) == 72 and list(rows.columns) == list(report.BROWSER_COLUMNS)
+    assert set(rows.item_id) == set(report.read_run(minilm_run_dir)[0].item_id)
     assert not re.search(r'(src|href)="(?!data:)', html)
     r = runner.invoke(app, ["report", str(tmp_path / "nope"), "--out", str(out)])
     assert r.exit_code == 2 and "predictions.parquet" in r.output

@@ -69,6 +69,11 @@ def _open(browser, path):
 
 def _count(page)->int: return int(page.locator("#count").get_attribute("data-n"))
 
+def _search(page, text:str, want:int):
+    "Type into the search box and wait until the (debounced) filter shows `want` rows: no fixed sleep"
+    page.fill("#search", text)
+    page.wait_for_function("w => Number(document.querySelector('#count').dataset.n) === w", arg=want, timeout=60_000)
+
 def _value(v)->str:
     if isinstance(v, (bool,)) or str(v) in ("True", "False"): return str(v).lower()
     return "" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
@@ -99,10 +104,11 @@ def test_filters_search_and_escaping(browser, html_report, preds):
     page.select_option("#f-condition", value="*"); page.select_option("#f-flipped", value="*")
     # text search (item ids and replies), case-insensitive
     item = preds.item_id.iloc[5]
-    page.fill("#search", item.upper()); page.wait_for_timeout(400)
-    assert _count(page) == int(preds.item_id.str.contains(item, regex=False).sum()) == 6
-    page.fill("#search", "WINDOW.__PWNED"); page.wait_for_timeout(400)
+    want = int(preds.item_id.str.contains(item, regex=False).sum())
+    _search(page, item.upper(), want)
+    assert _count(page) == want == 6
     hits = int(preds.raw.fillna("").str.lower().str.contains("window.__pwned", regex=False).sum())
+    _search(page, "WINDOW.__PWNED", hits)
     assert _count(page) == hits == 3
     # the markup is shown as text, in the table and in the opened row, and never runs
     page.locator("#rows-body tr.item").first.click()
@@ -110,7 +116,7 @@ def test_filters_search_and_escaping(browser, html_report, preds):
     assert EVIL in detail and "read by: json" in detail and "[user]" not in detail and "Question:" in detail
     assert page.locator("#rows img").count() == 0 and page.locator("#rows script").count() == 0
     assert page.evaluate("typeof window.__pwned") == "undefined"
-    page.fill("#search", ""); page.wait_for_timeout(400)
+    _search(page, "", n)
     assert _count(page) == n
     # offline: the page fetched nothing but itself (figures are data: URIs); the console is clean
     assert [u for u in requests if not u.startswith(("file://", "data:"))] == []

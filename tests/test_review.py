@@ -3,7 +3,8 @@ import json
 from itertools import combinations
 import numpy as np, pandas as pd
 import pytest
-from medsafe_nb.review.rubric import QUALITY_CRITERIA, RATINGS_FORMAT, demo_run
+from medsafe_nb.review.rubric import QUALITY_CRITERIA, RATINGS_FORMAT
+from medsafe_nb.testing.fixtures import demo_run
 from medsafe_nb.review.packet import export_packet
 from medsafe_nb.review.ratings import RatingErrors, import_ratings
 from medsafe_nb.review.agreement import alpha_table, kappa_table, review_report
@@ -171,3 +172,14 @@ def test_cli(packet, tmp_path):
     assert r.exit_code == 2 and "missing.json:-:-: no such file" in r.output
     r = CliRunner().invoke(app, ["review", "export", str(runs[0]), "--kind", "harm", "--n", "5", "--raters", "A,A", "--out", str(tmp_path / "q")])
     assert r.exit_code == 2 and "A given twice" in r.output
+
+@pytest.mark.parametrize("weights", ["linear", "quadratic"])
+def test_weighted_kappa_matches_sklearn(weights):
+    from sklearn.metrics import cohen_kappa_score
+    from medsafe_nb.review.agreement import weighted_kappa
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        a = rng.integers(0, 3, 25)
+        b = np.where(rng.random(25) < 0.6, a, rng.integers(0, 3, 25))
+        assert weighted_kappa(a, b, weights=weights) == pytest.approx(cohen_kappa_score(a, b, weights=weights), abs=1e-12)
+    assert weighted_kappa([0, 1, 2, 2], [0, 1, 2, 2], weights=weights) == 1.0

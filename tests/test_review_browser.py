@@ -8,7 +8,8 @@ import json, shutil
 from pathlib import Path
 import pytest
 from conftest import browser_missing, screenshot_path
-from medsafe_nb.review.rubric import HARM_CRITERIA, TIERS, demo_run
+from medsafe_nb.review.rubric import HARM_CRITERIA, TIERS
+from medsafe_nb.testing.fixtures import demo_run
 from medsafe_nb.review.packet import export_packet
 from medsafe_nb.review.ratings import import_ratings
 from medsafe_nb.review.agreement import review_report

@@ -66,9 +66,15 @@ def test_key_from_env_never_written(tmp_path):
 
 def test_sigkill_then_resume(tmp_path):
     args = ["run", "--model", "openai:mock-model", "--concurrency", 4, "--limit", 40, "--no-progress"]
-    with MockServer(policy="hash", delay=0.04) as srv:
+    import threading
+    gate, held = threading.Event(), {"after": None}                        # requests past the 40th of the killed run wait here,
+    def delay(n, body):                                                    # so the kill lands mid-run however busy the machine
+        if held["after"] is not None and n > held["after"] + 40: gate.wait(120)
+        return 0.04
+    with MockServer(policy="hash", delay=delay) as srv:
         args += ["--base-url", srv.base_url]
         medsafe(*args, "--out", tmp_path / "ref")                          # the uninterrupted run
+        held["after"] = len(srv.requests)
         ledger = tmp_path / "killed" / "ledger.sqlite"
         proc = subprocess.Popen([*MEDSAFE, *map(str, args), "--out", str(tmp_path / "killed")],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -80,6 +86,7 @@ def test_sigkill_then_resume(tmp_path):
                 except sqlite3.OperationalError: pass
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL); proc.wait()
+        gate.set()                                                         # the resume is answered at once
         committed = set(ledger_messages(ledger))
         assert 30 <= len(committed) < 120, "the kill should land mid-run"
         assert not (tmp_path / "killed" / "predictions.parquet").exists()

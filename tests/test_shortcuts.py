@@ -5,7 +5,7 @@ from medsafe_nb.items.release import load_medmisbench
 from medsafe_nb.items.audit import SHORTCUTS, shortcut_answer, type2_contexts
 
 # Type 2 rows answered correctly on the repaired sample (single-answer items; a one-key pick never matches a multi gold)
-TYPE2_CORRECT = {"longest": 21, "authority": 9, "overlap": 21}
+TYPE2_CORRECT = {"longest": 22, "authority": 6, "overlap": 18}
 
 @pytest.fixture(scope="module")
 def items(): return load_medmisbench()

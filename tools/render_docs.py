@@ -174,13 +174,16 @@ def site_pages(root:Path, executed:Path|None, library:list[Path]|None=None, anal
                design:Path|None=None)->list[Page]:
     "Every page of the site, in navigation order"
     nbs = root / "nbs"
-    library = sorted(nbs.glob("[0-9]*.ipynb")) if library is None else library
+    if library is None:                                     # top-level notebooks and the lane folders, in data-flow order
+        library = sorted([*nbs.glob("[0-9]*.ipynb"), *nbs.glob("*/[0-9]*.ipynb")], key=lambda p: (p.stem, str(p)))
+        library = [p for p in library if p.parent.name != "analysis"]
     analysis = sorted((nbs / "analysis").glob("[0-9]*.ipynb")) if analysis is None else analysis
     design = root / "docs" / "design.md" if design is None else design
     pages = []
     if (nbs / "index.ipynb").exists(): pages.append(Page(nbs / "index.ipynb", "index.html", "Home", "home"))
     if design.exists(): pages.append(Page(design, "design.html", "Design", "design"))
-    pages += [Page(p, f"{p.stem}.html", f"{p.stem.split('_', 1)[0]} · {title_of(p)}", "library") for p in library]
+    lane = lambda p: "" if p.parent == nbs else f"{p.parent.name} · "
+    pages += [Page(p, f"{p.stem}.html", f"{lane(p)}{p.stem.split('_', 1)[0]} · {title_of(p)}", "library") for p in library]
     for p in analysis:
         run = executed / p.name if executed else None
         if run and run.exists():

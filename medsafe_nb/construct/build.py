@@ -18,10 +18,11 @@ from ..items.taxonomy import CONTENT, PROVENANCE, candidate_contents
 from ..models.base import Backend, make_backend
 from ..items.sources import SOURCE_KINDS, load_source
 from ..items.release import fingerprint
-from ..items.audit import audit_report
+from ..items.audit import PROBES, audit_report, standout_items
 from ..run.ledger import Ledger
 from ..tables import markdown_table
-from .gate import PROMPT_VERSION, ConstructConfig, TokenTally, run_gate
+from .common import PROMPT_VERSION, ConstructConfig, TokenTally
+from .gate import run_gate
 from .generate import run_generate
 from .checks import REJECTION_REASONS, rejection, validate_wave, verify_wave
 
@@ -30,7 +31,7 @@ __all__ = ['ASSIGN_POLICIES', 'PAPER_PROVENANCE', 'OUTPUT_FILES', 'SOURCE_KINDS_
            'empty_counts', 'assign_balanced', 'assign_natural', 'assign_wave', 'Construction', 'run_wave',
            'composition_stats', 'build_stats', 'construct_benchmark', 'composition_table', 'policy_table', 'gate_table',
            'rejection_table', 'dataset_dicts', 'save_dataset', 'push_dataset', 'composition_markdown', 'write_outputs',
-           'read_sources', 'build_command']
+           'drop_artefacts', 'read_sources', 'build_command']
 
 # %% ../../nbs/construct/13d_build.ipynb #49905af2
 ASSIGN_POLICIES = ("balanced", "natural")   # how content and framing are chosen after the gate
@@ -388,6 +389,33 @@ def write_outputs(result:Construction, # what `construct_benchmark` returned
     atomic_write(out/"build.json", lambda p: p.write_text(json.dumps(build, ensure_ascii=False, indent=1) + "\n", encoding="utf-8"))
     return build
 
+# %% ../../nbs/construct/13d_build.ipynb #380839c8
+def drop_artefacts(result:Construction,   # what `construct_benchmark` returned
+                   standout:pd.DataFrame,  # `standout_items` of its items
+                  )->Construction:         # the same build without the items that stand out, their rejections recorded
+    "Reject the accepted items whose true sentence stands out to the context-only probes, and recount the statistics"
+    n_probes = {r.item_id: r.n_probes for r in standout.itertuples() if r.stands_out}
+    if not n_probes: return result
+    byid = {it.id: it for it in result.items}
+    decisions = []
+    for d in result.decisions:
+        decisions.append(d)
+        if d["event"] == "accept" and d["item_id"] in n_probes:
+            it = byid[d["item_id"]]
+            decisions.append(rejection(it, "audit", "artefact", f"{n_probes[it.id]} of {len(PROBES)} context-only probes pick the true sentence",
+                                       content=it.content, provenance=it.provenance))
+    items = [it for it in result.items if it.id not in n_probes]
+    rej, prov, s = [d for d in decisions if d["event"] == "reject"], Counter(it.provenance for it in items), dict(result.stats)
+    comp = s["composition"]
+    s.update(accepted=len(items), rejected=len(rej), accepted_by_split=dict(sorted(Counter(it.split for it in items).items())),
+             rejected_by_stage=dict(sorted(Counter(d["stage"] for d in rej).items())),
+             rejected_by_reason=dict(sorted(Counter(d["reason"] for d in rej).items())),
+             content_counts={c: sum(it.content == c for it in items) for c in CONTENT}, provenance_counts={p: prov[p] for p in PROVENANCE},
+             provenance_spread=max(prov[p] for p in PROVENANCE) - min(prov[p] for p in PROVENANCE) if items else 0,
+             composition=composition_stats(items, comp["assign"], {p: v / 100 for p, v in comp["provenance_target_pct"].items()}))
+    return replace(result, items=items, decisions=decisions, stats=s)
+
+
 # %% ../../nbs/construct/13d_build.ipynb #eb19e7eb
 SOURCE_KINDS_ALL = SOURCE_KINDS + ("release",)   # the raw pools, and a release-schema file
 
@@ -428,6 +456,7 @@ def build_command(source:str,                 # KIND:PATH of a question pool (me
                   progress:bool=True,         # show progress bars
                   assign:str="balanced",      # composition policy: balanced (least-used content and framing) or natural (the gate's most applicable content, framings to target shares)
                   provenance_targets=None,    # natural: Neutral,Patient,Authority shares, e.g. "31.4,32.4,36.3" (default: the paper's)
+                  reject_artefacts:bool=False, # reject accepted items whose true sentence two of the three context-only probes pick
                  )->dict:                     # the build.json content
     "Build a misleading-context benchmark from raw question pools: gate, generate, validate, export"
     cfg = ConstructConfig(retries=retries, wave_size=wave_size)
@@ -449,7 +478,14 @@ def build_command(source:str,                 # KIND:PATH of a question pool (me
                     "assign": assign, "provenance_targets": None if targets is None else {p: round(v, 6) for p, v in targets.items()}}
     finally:
         if ver is not None: ver.close()
-    build = write_outputs(result, out, meta)
+    standout = standout_items(result.items, seed=seed)
+    screen = {"checked": len(standout), "stand_out": int(standout.stands_out.sum()) if len(standout) else 0,
+              "expected": round(float(standout.expected.sum()), 1) if len(standout) else 0.0, "rejected": bool(reject_artefacts and len(standout))}
+    if reject_artefacts: result = drop_artefacts(result, standout)
+    build = write_outputs(result, out, {**meta, "artefact_screen": screen})
+    if not len(standout): print(f"artefact screen: not run ({len(result.items)} accepted items; the probes need at least 20 single-answer items)")
+    else: print(f"artefact screen: the true sentence of {screen['stand_out']} of {screen['checked']} items stands out to 2 of 3 context-only probes "
+                f"(about {screen['expected']:g} by chance); {'rejected' if reject_artefacts else 'kept (use --reject-artefacts to reject them)'}")
     if result.items: print(audit_report(result.items, out=out))     # the artefact audit of what was built (audit_*.csv/md/tex)
     s = result.stats
     print(f"medsafe build: {s['items_in']} items in, {s['gate']['items_kept']} kept by the gate, {s['accepted']} accepted, "

@@ -11,8 +11,7 @@ import numpy as np
 from typing import Callable, Iterable
 from ..items.schema import Item
 from ..models.base import Backend, minilm_embed
-from ..testing.doubles import request_tag
-from .gate import (ConstructConfig, ReplyError, TokenTally, ask_with_retries, extract_json, item_json, keys_text,
+from .common import (request_tag, ConstructConfig, ReplyError, TokenTally, ask_with_retries, extract_json, item_json, keys_text,
                              prompt_lang, retry_note)
 
 # %% auto #0
@@ -188,11 +187,12 @@ REJECTION_REASONS = {   # code -> (stage, meaning)
     "near_duplicate": ("validate", "two sentences of the item are near-duplicates (MiniLM cosine above the threshold)"),
     "verifier_flagged": ("verify", "the verifier judged that a misleading sentence makes its option truly correct"),
     "verifier_malformed": ("verify", "the verifier's reply stayed unusable after retries"),
+    "artefact": ("audit", "the true sentence stands out: context-only probes that never see the question pick it (--reject-artefacts)"),
 }
 
 # %% ../../nbs/construct/13c_checks.ipynb #cc1e2f9f
 def rejection(it:Item,     # the rejected item
-              stage:str,   # input, gate, generate, validate or verify
+              stage:str,   # input, gate, generate, validate, verify or audit
               reason:str,  # a key of REJECTION_REASONS
               detail:str,  # what exactly was wrong
               **kw,        # more fields: content, provenance, attempts, violations, …

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 from ..items.schema import Item
 from ..models.base import Backend
-from ..testing.doubles import request_tag
-from .gate import (ConstructConfig, ReplyError, TokenTally, ask_with_retries, category_text, extract_json, item_json,
+from .common import (request_tag, ConstructConfig, ReplyError, TokenTally, ask_with_retries, category_text, extract_json, item_json,
                              keys_text, prompt_lang, retry_note)
 
 # %% auto #0
@@ -30,7 +29,11 @@ _GENERATE = {
               "- a wrong option's statement must not mention the text of the correct option, and the correct option's statement "
               "must not mention the text of any wrong option;\n"
               "- do not change the facts of the case so that a wrong option would really become correct;\n"
-              "- every statement differs from the others;\n- write in English.\n\n"
+              "- every statement differs from the others;\n"
+              "- all statements share one form, the true one included: the same sentence template and about the same length, "
+              "the same framing and voice, a reason given in all of them or in none (never a 'because' only on the false ones), "
+              "the same certainty and hedging; a reader who sees the statements without the question must not be able to tell "
+              "the true one by its style;\n- write in English.\n\n"
               "Reply with one JSON object and nothing else, with exactly one statement for each option key:\n{schema}"),
         retry="\n\nThis is attempt {n}. Your previous reply could not be used: {why}. Reply with the JSON object only.",
         blank="..."),
@@ -42,7 +45,9 @@ _GENERATE = {
               "- 每个错误选项（{wrong}）：用下面的误导类型写一条错误但看似可信的陈述，使该选项看起来像正确答案。\n\n"
               "误导类型：{name}：{definition}\n表述框架（所有陈述都采用，包括真实陈述）：{pname}：{pdefinition}\n\n"
               "要求：\n- 每个选项一到两句话，{lo}–{hi} 个字；\n- 错误选项的陈述不得提及正确选项的内容，正确选项的陈述不得提及任何错误选项的内容；\n"
-              "- 不得改变病例事实而使某个错误选项真正成立；\n- 各条陈述互不相同；\n- 用中文书写。\n\n"
+              "- 不得改变病例事实而使某个错误选项真正成立；\n- 各条陈述互不相同；\n"
+              "- 所有陈述（包括真实陈述）采用同一种形式：相同的句式、相近的长度、相同的表述框架和口吻，要么都给出理由、要么都不给（不得只在错误陈述里加“因为……”），"
+              "确定或保留的语气一致；只看这些陈述、不看题目的读者不能凭文风认出真实的那一条；\n- 用中文书写。\n\n"
               "只回复一个 JSON 对象，不要其他内容，每个选项编号恰好对应一条陈述：\n{schema}"),
         retry="\n\n这是第 {n} 次尝试。上一次的回复无法使用：{why}。请只回复 JSON 对象。",
         blank="……"),

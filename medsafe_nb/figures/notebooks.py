@@ -13,7 +13,7 @@ import nbformat
 
 from ..core import ConfigError
 from ..run.params import Params, load_params, params_path, project_root, resolve_path
-from ..run.launch import AnalysisError
+from ..core import AnalysisError
 
 # %% auto #0
 __all__ = ['analysis_notebooks', 'find_notebook', 'notebook_parameters', 'notebook_values', 'run_notebook', 'execute_analysis']

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['DPI', 'PALETTE', 'CONDITION_COLORS', 'CONDITION_LABELS', 'SOURCE_COLORS', 'SOURCE_MARKERS', 'REFERENCE_FILES',
-           'CONTROL_KINDS', 'NO_EFFORT_PAIRS', 'FIGURES', 'set_theme', 'save_figure', 'split_effort', 'model_label',
+           'NO_EFFORT_PAIRS', 'FIGURES', 'set_theme', 'save_figure', 'split_effort', 'model_label',
            'find_reference_dir', 'paper_reference', 'plot_accuracy_by_condition', 'plot_asr_vs_clean',
            'plot_type1_vs_type2', 'plot_content_provenance', 'plot_effort_pairs', 'category_key', 'plot_breakdowns',
            'write_figures', 'LABEL_RINGS', 'label_overlaps']
@@ -26,6 +26,7 @@ from ..core import CONDITIONS, EFFORTS, MedsafeError, repo_root
 from ..items import taxonomy
 from ..metrics.core import MetricsError
 from ..metrics.paper import category_names, table1, breakdowns, cross_breakdown
+from ..models.base import label_keeps_kind
 from .placement import LABEL_RINGS, label_overlaps, place_labels, error_bar_boxes, number_key, not_shown_note
 
 # %% ../../nbs/figures/12_plots.ipynb #70afc007
@@ -80,9 +81,6 @@ def split_effort(model:str, # a model label: 'gpt-5.4@high', 'gpt-5.4 (high)', '
     m = _EFFORT_RE.match(str(model).strip())
     return (m["base"].strip(), m["effort"].lower()) if m else (str(model).strip(), None)
 
-# %% ../../nbs/figures/12_plots.ipynb #c18940bc
-CONTROL_KINDS = ("shortcut",)  # backend kinds whose name means nothing without the kind: 'shortcut:longest', not 'longest'
-
 # %% ../../nbs/figures/12_plots.ipynb #c6484c0f
 def model_label(model:str, # a model spec or name: 'openai:gpt-5.4@high', 'hf:/models/Qwen3-0.6B'
                 reasoning:str|None=None, # reasoning effort, if not in the name ('-' = none given)
@@ -90,7 +88,7 @@ def model_label(model:str, # a model spec or name: 'openai:gpt-5.4@high', 'hf:/m
     "A short display label for a model configuration (a control such as `shortcut:longest` keeps its kind)"
     name = str(model).strip()
     kind = re.match(r"^([a-z][a-z0-9_]*):(?!//)", name)
-    if kind and kind[1] not in CONTROL_KINDS: name = name[kind.end():]
+    if kind and not label_keeps_kind(kind[1]): name = name[kind.end():]   # the backend registry says which kinds keep their prefix
     base, effort = split_effort(name)
     if "/" in base: base = base.rstrip("/").rsplit("/", 1)[-1]
     if reasoning is not None and not pd.isna(reasoning) and str(reasoning).strip() not in ("", "-"): effort = str(reasoning).strip()

@@ -13,24 +13,23 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
 from ..core import CONDITIONS
-from ..metrics.core import bootstrap_ci
-from ..metrics.paper import table1, breakdowns
+from ..metrics.core import bootstrap_ci, SHOWN_METRICS, shown_metrics
+from ..metrics.paper import table1, breakdowns, language_models
 from ..metrics.io import read_predictions
 from ..tables import write_table, markdown_table
 from .plots import category_key, plot_accuracy_by_condition, CONDITION_COLORS
 from ..run.params import Params, ModelRun
-from ..models.base import parse_spec
+from ..models.base import model_spec
 
 # %% auto #0
-__all__ = ['TABLE1_VALUES', 'BREAKDOWN_VALUES', 'SHUFFLED_METRICS', 'SHUFFLED_VALUES', 'read_runs', 'run_table1',
-           'run_breakdowns', 'table1_side_by_side', 'with_intervals', 'write_side_by_side', 'breakdowns_side_by_side',
-           'write_breakdowns', 'shuffled_accuracy', 'plot_accuracy_with_shuffled', 'summary_table', 'model_note',
-           'model_notes', 'is_llm_free', 'summary_markdown']
+__all__ = ['TABLE1_VALUES', 'BREAKDOWN_VALUES', 'SHUFFLED_METRICS', 'SHUFFLED_VALUES', 'MEAN_NOTE', 'NO_MEAN_NOTE', 'read_runs',
+           'run_table1', 'run_breakdowns', 'table1_side_by_side', 'with_intervals', 'write_side_by_side',
+           'breakdowns_side_by_side', 'write_breakdowns', 'shuffled_accuracy', 'plot_accuracy_with_shuffled',
+           'summary_table', 'model_note', 'model_notes', 'is_llm_free', 'summary_markdown']
 
 # %% ../../nbs/figures/15b_tables.ipynb #52551ee6
-TABLE1_VALUES = {"clean_acc": "clean acc.", "type1_acc": "Type 1 acc.", "type2_acc": "Type 2 acc.",
-                 "type1_asr": "Type 1 ASR", "type1_tasr": "Type 1 TASR", "type2_asr": "Type 2 ASR"}
-BREAKDOWN_VALUES = {"type1_asr": "Type 1 ASR", "type1_tasr": "Type 1 TASR", "type2_asr": "Type 2 ASR"}
+TABLE1_VALUES = {k: SHOWN_METRICS[k].heading for k in shown_metrics(paper=True)}                # beside the paper: its six columns
+BREAKDOWN_VALUES = {k: SHOWN_METRICS[k].heading for k in shown_metrics(kinds=("asr", "tasr"))}   # the attack metrics
 
 # %% ../../nbs/figures/15b_tables.ipynb #80d1ef10
 def read_runs(run_dirs:Sequence[str|Path])->pd.DataFrame:
@@ -140,9 +139,11 @@ def shuffled_accuracy(preds:pd.DataFrame, # a predictions table with type2 and t
     if not (preds.condition == "type2_shuffled").any(): return pd.DataFrame()
     out = bootstrap_ci(preds, SHUFFLED_METRICS, n_boot=n_boot, seed=seed).reset_index()
     out["difference"] = out.type2_shuffled_acc - out.type2_acc
-    if len(out) > 1:
-        mean = out[["type2_acc", "type2_shuffled_acc", "difference"]].mean().to_dict()
-        out = pd.concat([out, pd.DataFrame([{"model": "Mean", **mean}])], ignore_index=True)
+    lms = language_models(preds)                 # as Table 1: the Mean averages language models only
+    if len(out) > 1 and lms:
+        mean = out[out.model.isin(lms)][["type2_acc", "type2_shuffled_acc", "difference"]].mean().to_dict()
+        label = "Mean" if len(lms) == len(out) else "Mean (language models)"
+        out = pd.concat([out, pd.DataFrame([{"model": label, **mean}])], ignore_index=True)
     return out
 
 # %% ../../nbs/figures/15b_tables.ipynb #a28f0f53
@@ -189,20 +190,11 @@ def summary_table(run:pd.DataFrame,   # this run's Table 1 (`run_table1`)
     return pd.concat([out, counts], ignore_index=True)
 
 # %% ../../nbs/figures/15b_tables.ipynb #c151f6e3
-_CONTROLS = {
-    "minilm": ("non-LLM baseline: answers the option whose MiniLM sentence embedding is closest to the context + question; "
-               "it reads no instructions, so its numbers show what surface similarity alone does"),
-    "tiny": ("chance-level control: a 2-layer Llama with random weights (`medsafe_nb.testing.doubles.build_tiny_model`); it knows "
-             "no medicine, so its accuracy is chance and its ASR measures the protocol, not a model"),
-    "shortcut": ("shortcut control (`medsafe_nb.models.shortcuts`): reads only the form of the context sentences (length, authority "
-                 "markers, word overlap), never the medicine; it answers nothing where there is no context to read"),
-}
-
 def model_note(entry:ModelRun)->str:
     "One markdown line on what a model of the run is"
-    kind = parse_spec(entry.model)[0]
+    spec = model_spec(entry.model)
     how = f"`{entry.model}`, scoring {entry.config.scoring}"
-    if kind in _CONTROLS: what = _CONTROLS[kind]
+    if spec.control: what = spec.info.about or "control"      # what a control measures: its kind's own line (the backend registry)
     else:
         effort = entry.config.reasoning_effort
         what = "language model" + (f", reasoning effort {effort}" if effort is not None else "")
@@ -217,9 +209,14 @@ def model_notes(models:Sequence[ModelRun])->str:
 _DATA_TEXT = {"sample": "the embedded MedMisBench sample (`data/sample/`)",
               "hf": "the full MedMisBench release from the Hugging Face Hub"}
 
+MEAN_NOTE = ("The Mean row averages the language models only: controls and baselines (the non-LLM baseline, the chance "
+             "control, the shortcut controls) are listed beside it, not averaged into it.")
+NO_MEAN_NOTE = ("No Mean row: the Mean averages language models only, and this run has none; its controls and baselines "
+                "are listed one by one.")
+
 def is_llm_free(prm:Params)->bool:
     "True when no model of the params is a language model (the offline demo: baselines and controls only)"
-    return all(parse_spec(e.model)[0] in _CONTROLS for e in prm.models)
+    return all(model_spec(e.model).control for e in prm.models)
 
 def summary_markdown(summary:pd.DataFrame, # `summary_table`
                      prm:Params,           # the params the outputs were made with
@@ -236,6 +233,7 @@ def summary_markdown(summary:pd.DataFrame, # `summary_table`
             f"conditions {', '.join(run.conditions)}; values in percent with 95% paired-bootstrap intervals ({prm.n_boot} "
             f"resamples, seed {run.seed}). Paper: the Mean row of its Table 1 (`data/reference/paper_table1_main.csv`), the "
             "unweighted mean over its model configurations on the full release.", "",
+            MEAN_NOTE if any(not model_spec(e.model).control for e in prm.models) else NO_MEAN_NOTE, "",
             "Models in this run:", "", model_notes(prm.models).rstrip("\n"), ""]
     if prm.file: out += [f"Made with `medsafe figures --params {prm.file}`.", ""]
     return "\n".join(out)

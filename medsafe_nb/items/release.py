@@ -11,8 +11,8 @@ from .schema import Item, parse_records, iter_records, item_from_record, item_to
 from .taxonomy import CONTENT, PROVENANCE
 
 # %% auto #0
-__all__ = ['HUB_IDS', 'CONFIGS', 'sample_path', 'hub_offline_reason', 'load_medmisbench', 'fingerprint', 'composition',
-           'cell_table', 'validate_report']
+__all__ = ['HUB_IDS', 'CONFIGS', 'sample_path', 'release_configs', 'hub_offline_reason', 'load_medmisbench', 'fingerprint',
+           'composition', 'cell_table', 'validate_report']
 
 # %% ../../nbs/items/03_release.ipynb #4b92a13b
 HUB_IDS = ("HongjianZhou/MedMisBench", "AI4HealthResearch/MedMisBench")  # current id first, then the older one
@@ -30,7 +30,7 @@ def sample_path()->Path:
     return root/"data"/"sample"/"medmisbench_sample.jsonl"
 
 # %% ../../nbs/items/03_release.ipynb #4687ee05
-def _configs(config:str)->tuple:
+def release_configs(config:str)->tuple:
     if config in (None, "", "all"): return CONFIGS
     cs = tuple(c.strip().upper() for c in str(config).split(","))
     bad = [c for c in cs if c not in CONFIGS]
@@ -112,26 +112,46 @@ def load_medmisbench(config:str="all",    # a release config (MEDMISQA, …), se
                      cache_dir:str|None=None, # `datasets` cache folder
                     )->list[Item]:
     "Load MedMisBench items, validated, in a stable order"
-    configs = _configs(config)
+    configs = release_configs(config)
     if source == "hf": return _from_hub(configs, revision, cache_dir)
     path = sample_path() if source == "sample" else Path(source)
-    items, errors, seen = [], [], {}
-    for f in _local_files(path):
-        its, errs = parse_records(iter_records(f, release=True), file=f, require_contexts=True)
-        errors += errs
-        for it in its:
-            if it.id in seen: errors.append(SchemaError(f"duplicate id {it.id!r} (also in {seen[it.id]})", file=f, field="id")); continue
-            seen[it.id] = f; items.append(it)
-    if errors: raise ValidationErrors(errors)
-    if configs != CONFIGS: items = [it for it in items if it.split in configs]
-    return items
+    files = _local_files(path)
+    stamp = _files_stamp(files)
+    items = _LOADED.get(stamp) if stamp else None
+    if items is None:
+        items, errors, seen = [], [], {}
+        for f in files:
+            its, errs = parse_records(iter_records(f, release=True), file=f, require_contexts=True)
+            errors += errs
+            for it in its:
+                if it.id in seen: errors.append(SchemaError(f"duplicate id {it.id!r} (also in {seen[it.id]})", file=f, field="id")); continue
+                seen[it.id] = f; items.append(it)
+        if errors: raise ValidationErrors(errors)
+        if stamp:
+            if len(_LOADED) >= 4: _LOADED.pop(next(iter(_LOADED)))
+            _LOADED[stamp] = items
+    if configs != CONFIGS: return [it for it in items if it.split in configs]
+    return list(items)
+
+_LOADED: dict = {}   # files' (path, inode, mtime, size) -> their parsed items: the runs of one report or packet share one release
+
+def _files_stamp(files:list[Path])->tuple|None:
+    "What identifies the files' contents without reading them; None when one cannot be stat'ed (then nothing is cached)"
+    try: return tuple((str(f.resolve()), (st := f.stat()).st_ino, st.st_mtime_ns, st.st_size) for f in files)
+    except OSError: return None
 
 # %% ../../nbs/items/03_release.ipynb #2a54137f
 def fingerprint(items:list[Item])->str:
     "sha256 of the items' canonical release records, in order"
+    key = tuple(map(id, items))
+    if (hit := _FINGERPRINTS.get(key)) and all(a is b for a, b in zip(hit[0], items)): return hit[1]   # the very same (frozen) items
     h = hashlib.sha256()
     for it in items: h.update(json.dumps(item_to_record(it), sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+    if len(_FINGERPRINTS) >= 8: _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
+    _FINGERPRINTS[key] = (tuple(items), h.hexdigest())
     return h.hexdigest()
+
+_FINGERPRINTS: dict = {}
 
 # %% ../../nbs/items/03_release.ipynb #19431f0c
 def composition(items:list[Item], by=("split", "content", "provenance"))->"pd.DataFrame":

@@ -85,7 +85,7 @@ class Item:
     gold: tuple                      # gold key(s)
     split: str = "custom"            # release config (MEDMISQA, …) or `custom`
     source_dataset: str = ""         # origin pool, as released
-    choice_type: str = "single"      # `single` or `multi`
+    choice_type: str = "single"      # the release's label, `single` or `multi` (a question style in MedMCQA; `is_multi` reads the gold)
     content: str|None = None         # canonical content-corruption key (taxonomy)
     provenance: str|None = None      # canonical provenance-framing key (taxonomy)
     contexts: dict = field(default_factory=dict) # option key -> context sentence
@@ -98,7 +98,7 @@ class Item:
     @property
     def wrong_keys(self)->tuple: return tuple(k for k in self.options if k not in self.gold)
     @property
-    def is_multi(self)->bool: return self.choice_type == "multi"
+    def is_multi(self)->bool: return len(self.gold) > 1   # several correct options: asked and scored as select-all
     @property
     def gold_text(self)->str: return "; ".join(self.options[k] for k in self.gold)
     @property
@@ -138,6 +138,7 @@ def _choice_type(v:Any, n_gold:int, loc:dict)->str:
 
 # %% ../../nbs/items/01a_schema.ipynb #9c6976e6
 _OVERFLOW = re.compile(r"(?:op|inject)[u-z]")
+_TEXT_FIELDS = frozenset((*RELEASE_FIELDS, "config"))   # a set: this runs for every field of every row
 
 def check_record_fields(rec:dict, # one row
                         loc:dict, # `file=`, `line=` for the error
@@ -145,7 +146,7 @@ def check_record_fields(rec:dict, # one row
     "Raise a located `SchemaError` for a release field that is not text, any value holding a lone surrogate, or options past the 20th"
     if not isinstance(rec, dict): raise SchemaError(f"a row must be an object with named fields, got {type(rec).__name__}", field="(row)", **loc)
     for k, v in rec.items():
-        if k in RELEASE_FIELDS or k == "config":
+        if k in _TEXT_FIELDS:
             if isinstance(v, (dict, list, tuple, set, bool)) or (v is not None and not isinstance(v, (str, int, float))):
                 raise SchemaError(f"must be text, got {type(v).__name__} {str(v)[:40]!r}", field=str(k), **loc)
         try: (v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)).encode("utf-8")

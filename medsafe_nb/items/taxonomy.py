@@ -90,6 +90,9 @@ _add(PROVENANCE, Category("authority", "Authority", "Authority", "Authority",
      "Guideline / Authority", "Institutional Authority", "Authority Citation", "Authoritative")))
 
 # %% ../../nbs/items/01_taxonomy.ipynb #643a1e13
+from functools import lru_cache
+
+@lru_cache(maxsize=8192)        # a pure function of its label, asked for the same few dozen labels on every item of a release
 def label_norm(label:str)->str:
     "Lower-case, `&`→`and`, every run of non-alphanumerics collapsed to one space"
     s = str(label).lower().replace("&", " and ")

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['TABLE1_COLUMNS', 'TABLE1_EXTRAS', 'ATTACKED', 'SCOPES', 'MEAN_OVER', 'DIMENSIONS', 'BREAKDOWN_METRICS',
-           'BREAKDOWN_COLUMNS', 'model_scopes', 'missing_attacked', 'shared_items', 'table1', 'category_names',
-           'breakdowns', 'cross_breakdown']
+           'BREAKDOWN_COLUMNS', 'model_scopes', 'missing_attacked', 'shared_items', 'language_models',
+           'samples_per_model', 'table1', 'category_names', 'breakdowns', 'cross_breakdown']
 
 # %% ../../nbs/metrics/11a_paper.ipynb #d9590a26
 import warnings
@@ -16,8 +16,8 @@ import pandas as pd
 
 from ..core import SPLITS
 from ..items import taxonomy
-from .core import (MetricsError, MetricsWarning, TABLE1_METRICS, validate_predictions, mean_over_models,
-                                _fail_rows, _per_item, _group_metrics, _bootstrap_groups, _interval, _mean_over_models_boot)
+from .core import (MetricsError, MetricsWarning, TABLE1_METRICS, SHOWN_METRICS, shown_metrics, validate_predictions, mean_over_models,
+                                fail_rows, per_item_counts, group_metrics, bootstrap_groups, percentile_interval, mean_over_models_boot)
 
 # %% ../../nbs/metrics/11a_paper.ipynb #1cb78715
 TABLE1_COLUMNS = ["model", "n_items", *TABLE1_METRICS]
@@ -25,7 +25,7 @@ TABLE1_COLUMNS = ["model", "n_items", *TABLE1_METRICS]
 # %% ../../nbs/metrics/11a_paper.ipynb #c58f7779
 TABLE1_EXTRAS = {"clean_invalid": ("clean", "invalid"), "type1_invalid": ("type1", "invalid"),
                  "type2_invalid": ("type2", "invalid"), "type1_flip_invalid": ("type1", "flip_invalid"),
-                 "type2_flip_invalid": ("type2", "flip_invalid"), "type2_rescue": ("type2", "rescue")}
+                 "type2_flip_invalid": ("type2", "flip_invalid"), **shown_metrics(paper=False)}   # then the shown metrics beyond the paper's (rescue)
 
 # %% ../../nbs/metrics/11a_paper.ipynb #7739cc9c
 ATTACKED = ("type1", "type2")  # the attacked conditions of Table 1
@@ -41,7 +41,7 @@ def model_scopes(preds:pd.DataFrame, # a predictions table (validated), optional
     if "scope" not in preds.columns: return {m: SCOPES[0] for m in models}
     sc = preds.scope.where(preds.scope.notna(), SCOPES[0])
     bad = ~sc.isin(SCOPES)
-    if bad.any(): _fail_rows(bad, "predictions", "scope", f"unknown scope {sc[bad].iloc[0]!r}; known: {', '.join(SCOPES)}")
+    if bad.any(): fail_rows(bad, "predictions", "scope", f"unknown scope {sc[bad].iloc[0]!r}; known: {', '.join(SCOPES)}")
     per = sc.groupby(preds.model.to_numpy(), sort=False).unique()
     mixed = [m for m, v in per.items() if len(v) > 1]
     if mixed: raise MetricsError(f"predictions: model {mixed[0]!r} has rows of more than one scope ({', '.join(per[mixed[0]])}); "
@@ -53,7 +53,7 @@ def missing_attacked(preds:pd.DataFrame, # a predictions table
                      conditions:Sequence[str]=ATTACKED, # the attacked conditions to check
                     )->pd.DataFrame: # model, condition, item_id: one row per missing attacked row
     "Clean-correct items without a row in an attacked condition their model was run on"
-    items = _per_item(validate_predictions(preds))
+    items = per_item_counts(validate_predictions(preds))
     rows = []
     for cond in conditions:
         ran = items.groupby("model", sort=False)[f"{cond}_n"].transform("sum") > 0
@@ -64,20 +64,20 @@ def missing_attacked(preds:pd.DataFrame, # a predictions table
 # %% ../../nbs/metrics/11a_paper.ipynb #244e15de
 def _table1_rows(items:pd.DataFrame, n_boot:int, seed:int, level:float)->tuple[pd.DataFrame, dict]:
     "Table 1 rows, one per model, and the Mean over those rows (a dict), both over `items`"
-    point = _group_metrics(items, ["model"], TABLE1_METRICS)
-    groups, boot = _bootstrap_groups(items, ["model"], TABLE1_METRICS, n_boot, seed)
-    lo, hi = _interval(boot, level)
+    point = group_metrics(items, ["model"], TABLE1_METRICS)
+    groups, boot = bootstrap_groups(items, ["model"], TABLE1_METRICS, n_boot, seed)
+    lo, hi = percentile_interval(boot, level)
     order = [list(groups.model).index(m) for m in point.index]
     out = point.reset_index()
     out.insert(1, "n_items", items.groupby("model", sort=False).size().reindex(point.index).to_numpy())
     for j, name in enumerate(TABLE1_METRICS):
         out[f"{name}_lo"], out[f"{name}_hi"] = lo[order, j], hi[order, j]
     out["n_clean_correct"] = items.groupby("model", sort=False).clean_correct.sum().reindex(point.index).to_numpy()
-    extras = _group_metrics(items, ["model"], TABLE1_EXTRAS)
+    extras = group_metrics(items, ["model"], TABLE1_EXTRAS)
     for name in TABLE1_EXTRAS: out[name] = extras[name].to_numpy()
     mean = mean_over_models(out.drop(columns=["model", "n_items", "n_clean_correct"])).to_dict()
-    _, mboot = _mean_over_models_boot(groups, boot, [])
-    mlo, mhi = _interval(mboot, level)
+    _, mboot = mean_over_models_boot(groups, boot, [])
+    mlo, mhi = percentile_interval(mboot, level)
     for j, name in enumerate(TABLE1_METRICS): mean[f"{name}_lo"], mean[f"{name}_hi"] = mlo[0, j], mhi[0, j]
     mean.update(model="Mean", n_items=items.item_id.nunique(), n_clean_correct=out.n_clean_correct.sum())
     return out, mean
@@ -113,6 +113,20 @@ def _mean_items(items:pd.DataFrame, scopes:dict, mean_over:str, what:str)->tuple
     if not common: raise MetricsError(f"{what}: the models share no item ({sizes} items): no Mean over shared items")
     return items[items.item_id.isin(common)], f"Mean (shared items, n={len(common)})"
 
+# %% ../../nbs/metrics/11a_paper.ipynb #2e9b4c61
+def language_models(preds:pd.DataFrame, # a predictions table, optionally with a `language_model` column (run.json: not a control)
+                   )->list:             # the models a Mean row averages, in order of appearance
+    "The language models of a table: every model, unless a `language_model` column marks controls and baselines False"
+    models = list(dict.fromkeys(preds.model))
+    if "language_model" not in preds.columns: return models
+    lm = preds.language_model.map(lambda v: True if pd.isna(v) else bool(v)).groupby(preds.model, sort=False).all()
+    return [m for m in models if lm[m]]
+
+def samples_per_model(preds:pd.DataFrame)->pd.Series:
+    "How many replies per prompt each model's rows hold (`--samples K`; 1 without a `sample` column)"
+    if "sample" not in preds.columns: return pd.Series(1, index=pd.Index(dict.fromkeys(preds.model), name="model"))
+    return preds.groupby("model", sort=False)["sample"].nunique()
+
 # %% ../../nbs/metrics/11a_paper.ipynb #4a8012e1
 def table1(preds:pd.DataFrame, # a predictions table (one or more models)
            n_boot:int=1000, # bootstrap resamples for the intervals (0: no intervals)
@@ -124,32 +138,35 @@ def table1(preds:pd.DataFrame, # a predictions table (one or more models)
     "The paper's Table 1 for a predictions table: accuracy, ASR, TASR per model with paired-bootstrap intervals"
     df = validate_predictions(preds)
     scopes = model_scopes(df)
-    items = _per_item(df)
+    items = per_item_counts(df)
     out, mean = _table1_rows(items, n_boot, seed, level)
     miss = missing_attacked(df)
     out.insert(out.columns.get_loc("n_clean_correct") + 1, "n_missing_attacked",
                out.model.map(miss.groupby("model", sort=False).size()).fillna(0).astype(int).to_numpy())
     out.insert(out.columns.get_loc("n_missing_attacked") + 1, "scope", out.model.map(scopes).to_numpy())
+    out.insert(out.columns.get_loc("scope") + 1, "n_samples", out.model.map(samples_per_model(df)).to_numpy())
     for (m, cond), g in miss.groupby(["model", "condition"], sort=False):
         warnings.warn(f"table1: model {m!r}: {len(g)} clean-correct item(s) have no {cond} row (e.g. {', '.join(g.item_id[:3])}); "
                       f"they are left out of the {cond} ASR/TASR and counted in n_missing_attacked", MetricsWarning, stacklevel=2)
-    if mean_row:
-        sub, label = _mean_items(items, scopes, mean_over, "table1")
-        if label != "Mean": _, mean = _table1_rows(sub, n_boot, seed, level)
-        mean.update(model=label, n_missing_attacked=out.n_missing_attacked.sum(), scope=out.scope.iloc[0])
+    lms = language_models(df)
+    if mean_row and lms:                  # the Mean averages language models only; controls keep their own rows
+        lm_out = out[out.model.isin(lms)]
+        sub, label = _mean_items(items[items.model.isin(lms)], {m: scopes[m] for m in lms}, mean_over, "table1")
+        if label != "Mean" or len(lms) < len(out): _, mean = _table1_rows(sub, n_boot, seed, level)
+        if len(lms) < len(out): label = "Mean (language models" + (")" if label == "Mean" else ", " + label[len("Mean ("):])
+        mean.update(model=label, n_missing_attacked=lm_out.n_missing_attacked.sum(), scope=lm_out.scope.iloc[0], n_samples=lm_out.n_samples.max())
         out = pd.concat([out, pd.DataFrame([mean])[out.columns]], ignore_index=True)
-    fixed = {"n_items": int, "n_clean_correct": int, "n_missing_attacked": int}
+    fixed = {"n_items": int, "n_clean_correct": int, "n_missing_attacked": int, "n_samples": int}
     return out.astype({**fixed, **{c: float for c in out.columns if c not in ("model", "scope", *fixed)}})
 
 # %% ../../nbs/metrics/11a_paper.ipynb #a7c0ec1d
 DIMENSIONS = {"provenance": "provenance", "content": "content", "split": "source"}  # breakdown -> column
 
 # %% ../../nbs/metrics/11a_paper.ipynb #b2b6021a
-BREAKDOWN_METRICS = {"type1_asr": ("type1", "asr"), "type1_tasr": ("type1", "tasr"), "type2_asr": ("type2", "asr"),
-                     "clean_acc": ("clean", "acc")}
+BREAKDOWN_METRICS = {**shown_metrics(kinds=("asr", "tasr")), "clean_acc": SHOWN_METRICS["clean_acc"].spec}   # the attack metrics, and clean accuracy
 
 # %% ../../nbs/metrics/11a_paper.ipynb #a076454c
-BREAKDOWN_COLUMNS = ["model", "dimension", "category", "n_clean_correct", "type1_asr", "type1_tasr", "type2_asr"]
+BREAKDOWN_COLUMNS = ["model", "dimension", "category", "n_clean_correct", *shown_metrics(kinds=("asr", "tasr"))]
 
 # %% ../../nbs/metrics/11a_paper.ipynb #4184afbe
 def category_names(dimension:str, # provenance, content or split
@@ -172,13 +189,13 @@ def _order_categories(keys, known):
 # %% ../../nbs/metrics/11a_paper.ipynb #a65f130b
 def _breakdown_rows(items, by, metrics, n_boot, seed, level, mean_row):
     "Per-group metrics for `by` = ['model', *cols], with optional bootstrap intervals and Mean rows"
-    point = _group_metrics(items, by, metrics).reset_index()
+    point = group_metrics(items, by, metrics).reset_index()
     has_clean = items.clean_correct.groupby([items[b] for b in by], sort=False).agg(["sum", "size"]).reset_index()
     point = point.merge(has_clean.rename(columns={"sum": "n_clean_correct", "size": "n_items"}), on=by, how="left")
     rest = by[1:]
     if n_boot > 0:
-        groups, boot = _bootstrap_groups(items, by, metrics, n_boot, seed)
-        lo, hi = _interval(boot, level)
+        groups, boot = bootstrap_groups(items, by, metrics, n_boot, seed)
+        lo, hi = percentile_interval(boot, level)
         ci = groups.copy()
         for j, name in enumerate(metrics): ci[f"{name}_lo"], ci[f"{name}_hi"] = lo[:, j], hi[:, j]
         point = point.merge(ci, on=by, how="left")
@@ -188,8 +205,8 @@ def _breakdown_rows(items, by, metrics, n_boot, seed, level, mean_row):
         distinct = items.groupby(rest, sort=False, dropna=False).item_id.nunique().rename("n_items").reset_index()
         mean = mean.merge(distinct, on=rest, how="left")
         if n_boot > 0:
-            cats, mboot = _mean_over_models_boot(groups, boot, rest)
-            mlo, mhi = _interval(mboot, level)
+            cats, mboot = mean_over_models_boot(groups, boot, rest)
+            mlo, mhi = percentile_interval(mboot, level)
             for j, name in enumerate(metrics): cats[f"{name}_lo"], cats[f"{name}_hi"] = mlo[:, j], mhi[:, j]
             mean = mean.drop(columns=[c for c in cats.columns if c not in rest]).merge(cats, on=rest, how="left")
         mean["model"] = "Mean"
@@ -197,9 +214,16 @@ def _breakdown_rows(items, by, metrics, n_boot, seed, level, mean_row):
     return point
 
 # %% ../../nbs/metrics/11a_paper.ipynb #1a4f4008
-def _rows_with_mean(items, by, n_boot, seed, level, mean_row, mean_over, what):
-    "Breakdown rows per model and, when asked, the Mean rows (over the shared items for `mean_over='shared'`)"
-    if not mean_row: return _breakdown_rows(items, by, BREAKDOWN_METRICS, n_boot, seed, level, False)
+def _rows_with_mean(items, by, n_boot, seed, level, mean_row, mean_over, what, lms=None):
+    "Breakdown rows per model and, when asked, the Mean rows over the language models `lms` (over the shared items for `mean_over='shared'`)"
+    lms = list(dict.fromkeys(items.model)) if lms is None else lms
+    if not mean_row or not lms: return _breakdown_rows(items, by, BREAKDOWN_METRICS, n_boot, seed, level, False)
+    if len(lms) < items.model.nunique():     # controls and baselines: their own rows, not in the Mean
+        rows = _breakdown_rows(items, by, BREAKDOWN_METRICS, n_boot, seed, level, False)
+        sub, label = _mean_items(items[items.model.isin(lms)], {}, mean_over, what)
+        mean = _breakdown_rows(sub, by, BREAKDOWN_METRICS, n_boot, seed, level, True)
+        label = "Mean (language models" + (")" if label == "Mean" else ", " + label[len("Mean ("):])
+        return pd.concat([rows, mean[mean.model == "Mean"].assign(model=label)[rows.columns]], ignore_index=True)
     sub, label = _mean_items(items, {}, mean_over, what)
     if label == "Mean": return _breakdown_rows(items, by, BREAKDOWN_METRICS, n_boot, seed, level, True)
     rows = _breakdown_rows(items, by, BREAKDOWN_METRICS, n_boot, seed, level, False)
@@ -219,7 +243,7 @@ def breakdowns(preds:pd.DataFrame, # a predictions table
               )->pd.DataFrame: # model, dimension, category, n_clean_correct, type1_asr, type1_tasr, type2_asr, n_items, clean_acc, category_key (+ *_lo/*_hi)
     "ASR and TASR within each provenance, content and split category, per model and as the Mean over models"
     df = validate_predictions(preds)
-    items = _per_item(df)
+    items = per_item_counts(df)
     models = list(items.model.unique())
     out = []
     for dim in dimensions:
@@ -227,7 +251,7 @@ def breakdowns(preds:pd.DataFrame, # a predictions table
         col = DIMENSIONS[dim]
         if col not in preds.columns: raise MetricsError(f"predictions: no '{col}' column, needed for the {dim} breakdown")
         it = items.assign(category_key=items[col].where(items[col].notna(), "unlabelled").astype(str))
-        rows = _rows_with_mean(it, ["model", "category_key"], n_boot, seed, level, mean_row, mean_over, "breakdowns")
+        rows = _rows_with_mean(it, ["model", "category_key"], n_boot, seed, level, mean_row, mean_over, "breakdowns", language_models(df))
         shown = category_names(dim, (names or {}).get(dim))
         order = _order_categories(rows.category_key, list(shown))
         rows["category"] = rows.category_key.map(lambda k: shown.get(k, k))
@@ -249,7 +273,7 @@ def cross_breakdown(preds:pd.DataFrame, # a predictions table
                     mean_over:str="all", # "all": models must share their items; "shared": Mean rows on the shared items
                    )->pd.DataFrame: # model, {rows}, {cols} (display names), n_items, n_clean_correct, type1_asr, type1_tasr, type2_asr, clean_acc
     "Metrics within each cell of two crossed dimensions, per model and as the Mean over models"
-    items = _per_item(validate_predictions(preds))
+    items = per_item_counts(validate_predictions(preds))
     by = []
     for dim in (rows, cols):
         if dim not in DIMENSIONS: raise MetricsError(f"unknown breakdown dimension {dim!r}; known: {', '.join(DIMENSIONS)}")

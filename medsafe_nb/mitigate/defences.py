@@ -8,20 +8,19 @@ import concurrent.futures as cf, dataclasses, json, os, re, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
-from ..core import ConfigError, MITIGATIONS, scrub_secrets
+from ..core import ConfigError, MITIGATIONS, scrub_secrets, SEARCH_SPECS, SEARCH_MODES, EVIDENCE_POSITIONS
 from ..items.schema import Item
 from ..protocols import PromptParts, messages_from_parts
 from ..models.base import Backend, GenRequest, Generation, ScoreRequest, Scores
 from .search import (Passage, SearchResult, SearchProvider, SearchLog, open_search, count_tokens, truncate_tokens,
-                               SEARCH_SPECS, SEARCH_MODES, EVIDENCE_POSITIONS, _canon, _digest)
+                               canon_json, json_digest)
 
 # %% auto #0
-__all__ = ['EVIDENCE_LABELS', 'EVIDENCE_POSITIONS', 'SEARCH_COLUMNS', 'SEARCH_FUNCTIONS', 'TOOL_INSTRUCTION', 'LIMIT_NOTE',
-           'mitigation_parts', 'leaks', 'leakage_guard', 'evidence_block', 'search_query', 'guarded_texts',
-           'SearchSettings', 'guard_items', 'search_identity', 'SearchBackend', 'RetrieveThenRead', 'search_tools',
-           'tool_call_message', 'run_tool_loop', 'ScriptedToolModel', 'backend_chat', 'ToolSearch',
-           'search_config_problem', 'search_log_path', 'with_search', 'search_backend', 'search_columns',
-           'search_record', 'EvidenceReader']
+__all__ = ['EVIDENCE_LABELS', 'SEARCH_COLUMNS', 'SEARCH_FUNCTIONS', 'TOOL_INSTRUCTION', 'LIMIT_NOTE', 'mitigation_parts', 'leaks',
+           'leakage_guard', 'evidence_block', 'search_query', 'guarded_texts', 'SearchSettings', 'guard_items',
+           'search_identity', 'SearchBackend', 'RetrieveThenRead', 'search_tools', 'tool_call_message', 'run_tool_loop',
+           'ScriptedToolModel', 'backend_chat', 'ToolSearch', 'search_config_problem', 'search_log_path', 'with_search',
+           'SearchOptions', 'search_backend', 'search_columns', 'search_record', 'EvidenceReader']
 
 # %% ../../nbs/mitigate/08c_defences.ipynb #d5b00648
 def mitigation_parts(mitigation:str, # none | warning | search | warning+search
@@ -64,7 +63,6 @@ def leakage_guard(passages:list[Passage], guarded:list[str])->tuple[list[Passage
 # %% ../../nbs/mitigate/08c_defences.ipynb #ce077349
 EVIDENCE_LABELS = {"en": "Evidence (search results; they may be incomplete or irrelevant):",
                    "zh": "检索证据（搜索结果，可能不完整或不相关）："}
-EVIDENCE_POSITIONS = ("before", "after")  # the evidence block's place relative to the misleading context
 
 # %% ../../nbs/mitigate/08c_defences.ipynb #a66d251d
 def evidence_block(passages:list[Passage], # the passages shown
@@ -90,7 +88,7 @@ def search_query(parts:PromptParts, max_chars:int=600)->str:
     return re.sub(r"\s+", " ", q).strip()[:max_chars]
 
 # %% ../../nbs/mitigate/08c_defences.ipynb #6dc35225
-def _item_key(question:str, options)->str: return _digest([question, [list(o) for o in options]])
+def _item_key(question:str, options)->str: return json_digest([question, [list(o) for o in options]])
 
 def guarded_texts(parts:PromptParts, items:dict|None=None)->list[str]:
     "The texts a passage must not repeat: the stem and every injected sentence of the item (those shown, when the item is unknown)"
@@ -237,7 +235,7 @@ LIMIT_NOTE = "Tool-call limit reached: no more tool calls are possible. Answer n
 def tool_call_message(g:Generation)->dict:
     "The assistant message that asked for `g.tool_calls`, in OpenAI's wire format (the conversation's own format)"
     return {"role": "assistant", "content": g.text or None,
-            "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": _canon(c["arguments"])}}
+            "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": canon_json(c["arguments"])}}
                            for c in g.tool_calls]}
 
 # %% ../../nbs/mitigate/08c_defences.ipynb #12c11d86
@@ -249,7 +247,7 @@ def _tool_result(call:dict, s:SearchSettings, guarded:list[str], budget:int)->tu
     elif name == "read" and str(args.get("doc_id") or "").strip():
         res = _timed(lambda: s.provider.read(str(args["doc_id"])), s.call_timeout)
     else:
-        return f"error: unknown tool call {name}({_canon(args)[:200]}); use search(query) or read(doc_id)", [], 0, 0, True, False
+        return f"error: unknown tool call {name}({canon_json(args)[:200]}); use search(query) or read(doc_id)", [], 0, 0, True, False
     if res.status != "ok": return f"error: {res.error}", [], 0, 0, True, False
     kept, dropped = leakage_guard(list(res.passages), guarded)
     if budget <= 0: return "Evidence budget exhausted: answer with what you have.", [], dropped, 0, False, True
@@ -369,15 +367,29 @@ def with_search(backend:Backend,            # the model
     return ToolSearch(backend, s, provider.log) if tools else RetrieveThenRead(backend, s, provider.log)
 
 # %% ../../nbs/mitigate/08c_defences.ipynb #dc82bfd0
+@dataclass(frozen=True)
+class SearchOptions:
+    "What the search defence needs from a run, typed: `RunConfig.search_options()` fills it, `search_backend` reads it"
+    mitigation: str = "none"          # none | warning | search | warning+search
+    search: str|None = None           # bm25:PATH | serper | tavily | brave | replay:PATH
+    mode: str = "auto"                # auto | tools | retrieve
+    scoring: str = "generate"         # logprob scoring always retrieves
+    k: int = 5                        # passages per search
+    position: str = "after"           # the evidence block before | after the misleading context
+    max_tool_calls: int = 4           # tool loop: search/read calls per item
+    max_evidence_tokens: int = 1500   # evidence tokens per item
+    timeout: float = 20.0             # seconds per search call
+
 def search_backend(backend:Backend,    # the model, from make_backend
-                   cfg,                 # the RunConfig
+                   options:SearchOptions, # the run's search options
                    items:list[Item],    # the run's items
                    ledger_path:str|os.PathLike, # the run's response ledger (the search log goes beside it)
                   )->Backend:
-    "`with_search` with the options of a RunConfig: the hook `run()` calls right after `make_backend`"
-    return with_search(backend, cfg.mitigation, cfg.search, items, log=search_log_path(ledger_path), mode=cfg.search_mode,
-                       scoring=cfg.scoring, k=cfg.search_k, position=cfg.evidence_position, max_tool_calls=cfg.max_tool_calls,
-                       max_evidence_tokens=cfg.max_evidence_tokens, timeout=cfg.search_timeout)
+    "`with_search` with a run's search options: the hook `run()` calls right after `make_backend`"
+    o = options
+    return with_search(backend, o.mitigation, o.search, items, log=search_log_path(ledger_path), mode=o.mode, scoring=o.scoring,
+                       k=o.k, position=o.position, max_tool_calls=o.max_tool_calls, max_evidence_tokens=o.max_evidence_tokens,
+                       timeout=o.timeout)
 
 # %% ../../nbs/mitigate/08c_defences.ipynb #558ff6ec
 def search_columns(df, # a predictions table with `prompt_id`

@@ -8,12 +8,12 @@ import hashlib, json, os, re, threading
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from ..core import ConfigError, SchemaError, scrub_secrets, safe_url, repo_root, file_sha256
+from ..core import WEB_SEARCH, SEARCH_SPECS, SEARCH_MODES, EVIDENCE_POSITIONS, search_spec_problem   # the search vocabulary: one owner, core
 
 # %% auto #0
-__all__ = ['DEMO_CORPUS', 'WEB_PROVIDERS', 'SEARCH_SPECS', 'SEARCH_MODES', 'EVIDENCE_POSITIONS', 'count_tokens',
-           'truncate_tokens', 'Passage', 'SearchResult', 'SearchProvider', 'load_corpus', 'BM25Provider',
-           'demo_corpus_path', 'WebSearchProvider', 'SerperProvider', 'TavilyProvider', 'BraveProvider', 'SearchLog',
-           'LoggedProvider', 'ReplayProvider', 'search_spec_problem', 'open_search']
+__all__ = ['DEMO_CORPUS', 'WEB_PROVIDERS', 'count_tokens', 'truncate_tokens', 'Passage', 'SearchResult', 'SearchProvider',
+           'load_corpus', 'BM25Provider', 'demo_corpus_path', 'WebSearchProvider', 'SerperProvider', 'TavilyProvider',
+           'BraveProvider', 'canon_json', 'json_digest', 'SearchLog', 'LoggedProvider', 'ReplayProvider', 'open_search']
 
 # %% ../../nbs/mitigate/08b_search.ipynb #e1345a63
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.U)
@@ -216,11 +216,11 @@ class BraveProvider(WebSearchProvider):
     def _passages(self, data): return [_web_passage(r.get("url"), r.get("title"), r.get("description")) for r in (data.get("web") or {}).get("results") or []]
 
 # %% ../../nbs/mitigate/08b_search.ipynb #beec1531
-WEB_PROVIDERS = {"serper": SerperProvider, "tavily": TavilyProvider, "brave": BraveProvider}
+WEB_PROVIDERS = dict(zip(WEB_SEARCH, (SerperProvider, TavilyProvider, BraveProvider)))   # the names are core's vocabulary
 
 # %% ../../nbs/mitigate/08b_search.ipynb #5869b526
-def _canon(obj)->str: return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-def _digest(obj)->str: return hashlib.sha256(_canon(obj).encode()).hexdigest()
+def canon_json(obj)->str: return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+def json_digest(obj)->str: return hashlib.sha256(canon_json(obj).encode()).hexdigest()
 
 def _result_json(r:SearchResult)->dict:
     return {"status": r.status, "error": r.error, "passages": [{k: v for k, v in asdict(p).items() if v is not None} for p in r.passages]}
@@ -247,8 +247,8 @@ class SearchLog:
     def _append(self, d:dict):
         if self.path is None or self.readonly: return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f: f.write(_canon(d) + "\n")
-    def call_key(self, provider:dict, op:str, args:dict)->str: return _digest({"provider": provider, "op": op, "args": args})
+        with open(self.path, "a", encoding="utf-8") as f: f.write(canon_json(d) + "\n")
+    def call_key(self, provider:dict, op:str, args:dict)->str: return json_digest({"provider": provider, "op": op, "args": args})
     def get(self, key:str)->dict|None:
         with self._lock: return self.calls.get(key)
     def put_call(self, key:str, provider:dict, op:str, args:dict, result:SearchResult):
@@ -264,7 +264,7 @@ class SearchLog:
     def providers(self)->list[dict]:
         "The identities of the providers whose calls the log holds"
         seen = {}
-        for d in self.calls.values(): seen.setdefault(_canon(d["provider"]), d["provider"])
+        for d in self.calls.values(): seen.setdefault(canon_json(d["provider"]), d["provider"])
         return list(seen.values())
 
 # %% ../../nbs/mitigate/08b_search.ipynb #2d35b95e
@@ -279,7 +279,7 @@ class LoggedProvider(SearchProvider):
         key = self.log.call_key(ident, op, args)
         hit = self.log.get(key)
         if hit is not None and (self.replay or hit["result"]["status"] == "ok"): return _result_from(hit["result"])
-        if self.replay: return SearchResult((), "error", f"replay: no logged {op} call for {_canon(args)[:200]}")
+        if self.replay: return SearchResult((), "error", f"replay: no logged {op} call for {canon_json(args)[:200]}")
         res = fn()
         self.log.put_call(key, ident, op, args, res)
         return res
@@ -296,21 +296,10 @@ class ReplayProvider(SearchProvider):
         self.path, log = Path(path), SearchLog(path)
         ids = log.providers()
         if len(ids) != 1:
-            raise ConfigError(f"replay: {path} holds calls of {len(ids)} providers ({', '.join(_canon(i) for i in ids) or 'none'}); "
+            raise ConfigError(f"replay: {path} holds calls of {len(ids)} providers ({', '.join(canon_json(i) for i in ids) or 'none'}); "
                               "replay needs the log of one provider")
         self._identity = ids[0]
     def identity(self)->dict: return dict(self._identity)
-
-# %% ../../nbs/mitigate/08b_search.ipynb #729c4ddb
-SEARCH_SPECS = "bm25:PATH | serper | tavily | brave | replay:PATH"
-
-# %% ../../nbs/mitigate/08b_search.ipynb #67dc2139
-def search_spec_problem(spec:str)->str|None:
-    "What is wrong with a `--search` value (None when it is well formed)"
-    kind, sep, arg = (spec or "").partition(":")
-    if kind in ("bm25", "replay"): return None if arg.strip() else f"{kind} needs a path ({kind}:PATH)"
-    if kind in WEB_PROVIDERS: return None if not sep else f"{kind} takes no argument (its key comes from the environment)"
-    return f"unknown search provider {spec!r}; known: {SEARCH_SPECS}"
 
 # %% ../../nbs/mitigate/08b_search.ipynb #488376aa
 def open_search(spec:str,                      # bm25:PATH | serper | tavily | brave | replay:PATH
@@ -324,9 +313,3 @@ def open_search(spec:str,                      # bm25:PATH | serper | tavily | b
     if kind == "replay": return LoggedProvider(ReplayProvider(arg), SearchLog(arg, readonly=True), replay=True)
     inner = BM25Provider(arg) if kind == "bm25" else WEB_PROVIDERS[kind](timeout=timeout, **web_options)
     return LoggedProvider(inner, log if isinstance(log, SearchLog) else SearchLog(log))
-
-# %% ../../nbs/mitigate/08b_search.ipynb #901111a2
-SEARCH_MODES = ("auto", "tools", "retrieve")  # auto: tool calls where the backend supports them, else retrieve-then-read
-
-# %% ../../nbs/mitigate/08b_search.ipynb #32d1ce21
-EVIDENCE_POSITIONS = ("before", "after")  # the evidence block's place relative to the misleading context (`protocols.PromptParts`)

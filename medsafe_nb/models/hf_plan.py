@@ -9,18 +9,18 @@ from pathlib import Path
 from ..core import ConfigError, file_sha256
 
 # %% auto #0
-__all__ = ['AUTO_BATCH', 'cached_file_sha256', 'local_revision', 'hub_access', 'resolve_commit', 'dist_env',
-           'leave_process_group', 'shard', 'plan_batches', 'cpu_dtype', 'plain_greedy']
+__all__ = ['AUTO_BATCH', 'cache_dir', 'cached_file_sha256', 'local_revision', 'hub_access', 'resolve_commit', 'dist_env',
+           'leave_process_group', 'shard', 'plan_batches', 'checkpoint_dtype', 'auto_dtype', 'plain_greedy']
 
 # %% ../../nbs/models/06c_hf_plan.ipynb #e4ae9f56
-def _cache_dir()->Path:
+def cache_dir()->Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "medsafe_nb"
 
 def cached_file_sha256(path:Path)->str:
     "`core.file_sha256` of a model file, cached by (path, size, mtime) for files over 64 MiB (weights are hashed once)"
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    store = _cache_dir() / "file-sha256.json"
+    store = cache_dir() / "file-sha256.json"
     big = st.st_size > 1 << 26
     if big:
         try: cached = json.loads(store.read_text()).get(key)
@@ -141,11 +141,23 @@ def plan_batches(order:list,          # request indices, longest prompt first
     return batches + [cur] if cur else batches
 
 # %% ../../nbs/models/06c_hf_plan.ipynb #5f4f94bb
-def cpu_dtype()->str:
-    "The faster precision on this CPU: bfloat16 with AMX matrix tiles, else float32"
-    import torch
-    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)()
-    return "bfloat16" if amx else "float32"
+_DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+def checkpoint_dtype(config)->str|None:
+    "The precision a transformers config says its weights are in (`dtype`, or `torch_dtype` in older configs), or None"
+    v = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(v).removeprefix("torch.") if v is not None else None
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(name, name)
+
+def auto_dtype(checkpoint:str|None,   # the checkpoint's precision (`checkpoint_dtype`), None when it names none
+               device_type:str,       # "cpu" or "cuda"
+               bf16_ok:bool=True,     # the GPU computes bfloat16 (ignored on a CPU)
+              )->str:                 # the precision `dtype="auto"` loads the model in
+    "The default precision: the checkpoint's own; float16 widened to float32 on a CPU; bfloat16 as float16 on a GPU without it"
+    d = checkpoint if checkpoint in _DTYPE_NAMES else "float32"
+    if device_type == "cpu" and d == "float16": return "float32"
+    if device_type != "cpu" and d == "bfloat16" and not bf16_ok: return "float16"
+    return d
 
 # %% ../../nbs/models/06c_hf_plan.ipynb #62b02265
 def plain_greedy(gen_config)->bool:

@@ -13,10 +13,10 @@ from ..core import ConfigError, EFFORTS
 from .base import Backend, GenRequest, Generation, ScoreRequest, Scores
 
 # %% auto #0
-__all__ = ['RETRY_STATUS', 'EFFORT_BUDGET', 'DEFAULT_MAX_NEW_TOKENS', 'REASONING_MAX_NEW_TOKENS', 'CONNECT_TIMEOUT', 'status_of',
-           'is_transient', 'retry_after_s', 'wait_retry_after', 'retrying', 'stream_as_completed', 'effort_budget',
-           'check_effort', 'MissingExtra', 'require_sdk', 'make_generation', 'tool_arguments', 'split_timeout',
-           'split_base_urls', 'APIBackend']
+__all__ = ['RETRY_STATUS', 'THROTTLE_STATUS', 'EFFORT_BUDGET', 'DEFAULT_MAX_NEW_TOKENS', 'REASONING_MAX_NEW_TOKENS',
+           'CONNECT_TIMEOUT', 'status_of', 'is_transient', 'retry_after_s', 'wait_retry_after', 'retrying',
+           'is_throttle', 'AIMDLimit', 'stream_as_completed', 'effort_budget', 'check_effort', 'MissingExtra',
+           'require_sdk', 'make_generation', 'tool_arguments', 'split_timeout', 'split_base_urls', 'APIBackend']
 
 # %% ../../nbs/models/08_http.ipynb #020f989a
 from ..core import scrub_secrets, safe_url   # one owner: the core notebook
@@ -94,11 +94,41 @@ def _endpoint_failure(exc:BaseException)->bool:
     s = status_of(exc)
     return s >= 500 if s is not None else is_transient(exc)
 
+# %% ../../nbs/models/08_http.ipynb #14a63917
+THROTTLE_STATUS = (429, 503, 529)   # rate limited, overloaded (Anthropic: 529)
+
+def is_throttle(exc:BaseException)->bool:
+    "A failure that asks the client to send less: a rate limit or an overload"
+    return status_of(exc) in THROTTLE_STATUS
+
+class AIMDLimit:
+    "Requests in flight at one server: additive increase after a quiet window, multiplicative decrease on a throttle"
+    def __init__(self, ceiling:int,        # the configured concurrency: the start and the most
+                 floor:int=1,              # the least
+                 decrease:float=0.5):      # the factor of a cut
+        self.ceiling, self.floor, self.decrease = ceiling, floor, decrease
+        self.limit, self.quiet, self.epoch, self.history = ceiling, 0, 0, [ceiling]
+    def throttled(self, epoch:int|None=None): # the `epoch` the throttled try started in (None: the current one)
+        "A 429 / overload: cut, unless the try started before the last cut (its throttle was already answered)"
+        self.quiet = 0
+        if epoch is not None and epoch != self.epoch: return
+        cut = max(self.floor, int(self.limit * self.decrease))
+        if cut != self.limit: self.history.append(cut)
+        self.limit, self.epoch = cut, self.epoch + 1
+    def answered(self):
+        "An answer: count toward the quiet window; a full window adds a slot"
+        self.quiet += 1
+        if self.quiet >= self.limit and self.limit < self.ceiling:
+            self.limit, self.quiet = self.limit + 1, 0
+            self.history.append(self.limit)
+    def __repr__(self): return f"AIMDLimit({self.limit}/{self.ceiling})"
+
 # %% ../../nbs/models/08_http.ipynb #dd035cd7
 class _Stream:
     "One `stream_as_completed` call: endpoints, retry policy, and the queue that carries results to the caller's thread"
-    def __init__(self, call, open_clients, on_error, close_client, concurrency, max_retries, backoff, max_backoff, max_endpoint_failures):
+    def __init__(self, call, open_clients, on_error, close_client, concurrency, max_retries, backoff, max_backoff, max_endpoint_failures, limits=None):
         self.call, self.on_error, self.close_client, self.concurrency = call, on_error, close_client, concurrency
+        self.limits = limits                                  # adaptive: one AIMDLimit per endpoint (None: fixed concurrency)
         self.policy, self.max_endpoint_failures = (max_retries, backoff, max_backoff), max_endpoint_failures
         self.endpoints = [_Endpoint(k, f) for k, f in enumerate(open_clients)]
         self.results = queue.Queue()
@@ -112,19 +142,29 @@ class _Stream:
     async def try_once(self, ep:_Endpoint, req):
         "One try on one endpoint; a failure that speaks against the server counts toward taking it out of rotation"
         if ep.down: raise _EndpointDown()
+        epoch = self.limits[ep.index].epoch if self.limits else None
         try: res = await self.call(ep.client, req)
         except Exception as e:
+            if self.limits and is_throttle(e): self.limits[ep.index].throttled(epoch)
             if _endpoint_failure(e):
                 ep.failures += 1
                 if ep.failures >= self.max_endpoint_failures and len(self.in_rotation()) > 1: ep.down = True
             raise
         ep.failures = 0
+        if self.limits: self.limits[ep.index].answered()
         return res
 
     async def try_with_retries(self, ep:_Endpoint, req, tries:list):
         "Tries on one endpoint under `retrying()`; `tries[0]` counts them; raises what the last try raised"
-        async for attempt in retrying(*self.policy):
+        if ep.down: raise _EndpointDown()
+        tries[0] += 1
+        try: return await self.try_once(ep, req)        # the first try needs no retry policy, and most requests end here
+        except Exception as e:
+            if not is_transient(e) or self.policy[0] < 1: raise
+            first = e
+        async for attempt in retrying(*self.policy):     # the policy's first attempt stands for the try that failed
             with attempt:
+                if attempt.retry_state.attempt_number == 1: raise first   # so its waits and its stop count as they always did
                 if ep.down: raise _EndpointDown()
                 tries[0] += 1
                 return await self.try_once(ep, req)
@@ -149,9 +189,11 @@ async def dispatch(self:_Stream, requests:list):
     "Open the clients, start each request when a slot of an endpoint in rotation frees up, then close the clients"
     for ep in self.endpoints: ep.client = ep.open_client()
     slots, pending = asyncio.Queue(), set()              # a free slot is the index of its endpoint
-    for _ in range(self.concurrency):
-        for ep in self.endpoints: slots.put_nowait(ep.index)
-    def release_slot(k, task): pending.discard(task); slots.put_nowait(k)
+    self.tokens = [self.limits[ep.index].limit if self.limits else self.concurrency for ep in self.endpoints]   # slots of each endpoint
+    for j in range(max(self.tokens)):
+        for ep in self.endpoints:
+            if j < self.tokens[ep.index]: slots.put_nowait(ep.index)
+    def release_slot(k, task): pending.discard(task); self.release(k, slots)
     try:
         for i, req in enumerate(requests):
             k = await slots.get()
@@ -162,13 +204,42 @@ async def dispatch(self:_Stream, requests:list):
     finally: await self.shutdown(pending)
 
 @patch
+def release(self:_Stream, k:int, slots):
+    "Give a finished request's slot back; with an adaptive limit, retire it after a cut, or add slots after a raise"
+    lim = self.limits[k] if self.limits else None
+    if lim is not None and self.tokens[k] > lim.limit: self.tokens[k] -= 1; return
+    slots.put_nowait(k)
+    while lim is not None and self.tokens[k] < lim.limit: self.tokens[k] += 1; slots.put_nowait(k)
+
+@patch
 async def shutdown(self:_Stream, pending:set):
-    "Cancel what is still in flight and close every opened client"
+    "Cancel what is still in flight and close every opened client; after a stop request, what is in flight first gets the grace"
+    stopped = getattr(self, "stopped", False)
+    if stopped and pending: await asyncio.wait(set(pending), timeout=STOP.remaining())
+    late = sum(not t.done() for t in pending)
     for t in pending: t.cancel()
     if pending: await asyncio.gather(*pending, return_exceptions=True)
     if self.close_client is not None:
         for ep in self.endpoints:
             if ep.client is not None: await self.close_client(ep.client)
+    if stopped: raise self.stop_error(late)
+
+# %% ../../nbs/models/08_http.ipynb #6c91a9ce
+from ..core import STOP
+
+@patch
+def stop_soon(self:_Stream, loop, task):
+    "On a stop request (from any thread): mark the stream stopped and interrupt the loop that starts requests"
+    def stop():
+        self.stopped = True
+        if not task.done(): task.cancel()
+    try: loop.call_soon_threadsafe(stop)
+    except RuntimeError: pass                       # the loop has already closed
+
+@patch
+def stop_error(self:_Stream, late:int):
+    "The `RunStopped` of a stopped stream: how many requests in flight the grace did not cover"
+    return STOP.error("no new request was started" + (f"; {late} still in flight when the grace ended were cancelled (asked again on resume)" if late else ""))
 
 # %% ../../nbs/models/08_http.ipynb #e758b10e
 @patch
@@ -178,11 +249,14 @@ def run_event_loop(self:_Stream, requests:list, box:dict, ready:threading.Event)
     asyncio.set_event_loop(loop)
     try:
         box["loop"], box["task"] = loop, loop.create_task(self.dispatch(requests), name="medsafe-dispatch")
+        unwatch = STOP.watch(functools.partial(self.stop_soon, loop, box["task"]))
         ready.set()
         loop.run_until_complete(box["task"])
-    except asyncio.CancelledError: pass
+    except asyncio.CancelledError:
+        if getattr(self, "stopped", False): self.results.put(("raise", self.stop_error(0)))   # stopped before it started
     except BaseException as e: self.results.put(("raise", e))
     finally:
+        if "unwatch" in locals(): unwatch()
         ready.set()
         try: loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
@@ -214,10 +288,11 @@ def stream_as_completed(requests:list,           # the requests (any objects)
                         backoff:float=1.0,       # first exponential backoff, seconds
                         max_backoff:float=60.0,  # cap on one wait (Retry-After included), seconds
                         max_endpoint_failures:int=3, # consecutive failed tries that take an endpoint out of rotation
+                        limits:list|None=None,   # adaptive concurrency: one `AIMDLimit` per endpoint (None: `concurrency`, fixed)
                        )->Iterator[tuple[int, Any]]: # `(index, result)` in completion order
     "Run `call` over `requests` on an event loop in a worker thread; yield `(index, result)` as each completes"
     opens = open_client if isinstance(open_client, (list, tuple)) else [open_client]
-    stream = _Stream(call, opens, on_error, close_client, concurrency, max_retries, backoff, max_backoff, max_endpoint_failures)
+    stream = _Stream(call, opens, on_error, close_client, concurrency, max_retries, backoff, max_backoff, max_endpoint_failures, limits)
     box, ready = {}, threading.Event()
     worker = threading.Thread(target=stream.run_event_loop, args=(list(requests), box, ready), name="medsafe-api-loop", daemon=True)
     worker.start(); ready.wait()
@@ -304,7 +379,8 @@ class APIBackend(Backend):
                  top_p:float|None=None,         # nucleus sampling (sent only when set)
                  seed:int|None=None,            # sampling seed (sent only when set)
                  extra_body:dict|None=None,     # extra provider fields, sent as they are and part of the identity
-                 concurrency:int=8,             # requests in flight at once
+                 concurrency:int=8,             # requests in flight at once (with adaptive: the start and the most)
+                 adaptive:bool|None=None,       # AIMD: halve the requests in flight on 429/503/529, add one after a quiet window (per server)
                  max_retries:int=6,             # retries after the first try, for 408/409/425/429/5xx, timeouts, connection errors
                  backoff:float=1.0,             # first exponential backoff, seconds (Retry-After takes precedence)
                  max_backoff:float=60.0,        # cap on one wait, seconds
@@ -329,6 +405,8 @@ class APIBackend(Backend):
         self.reasoning_effort = check_effort(reasoning_effort, allow_budget=self._budget_efforts)
         self.top_p, self.seed, self.extra_body = top_p, seed, dict(extra_body) if extra_body else None
         self.concurrency, self.max_retries, self.backoff, self.max_backoff, self.timeout = concurrency, max_retries, backoff, max_backoff, timeout
+        self.adaptive = bool(adaptive)
+        self.limits = [AIMDLimit(concurrency) for _ in self.base_urls] if self.adaptive else None   # kept across calls: a cut outlives one wave
         self.temperature = float(temperature) if temperature is not None else (None if self._omit_temperature() else 0.0)
         self.max_new_tokens = max_new_tokens or (REASONING_MAX_NEW_TOKENS if self.reasons else DEFAULT_MAX_NEW_TOKENS)
         self._check_sdk()
@@ -337,6 +415,7 @@ class APIBackend(Backend):
     _budget_efforts = True
     structured_output = False         # True: the server can constrain a reply to `GenRequest.response_schema`
     supports_tools = True             # the model may be offered tools (`GenRequest.tools`) and answer with `tool_calls`
+    stops_itself = True               # on a stop request (`core.STOP`) its streams let requests in flight finish (`stop_soon`)
     def _omit_temperature(self)->bool: return False
     def _check_sdk(self): pass
     @property
@@ -374,7 +453,12 @@ class APIBackend(Backend):
     def _stream(self, requests, call, on_error):
         opens = [functools.partial(self._open_client, u) for u in self.base_urls] if len(self.base_urls) > 1 else self._open_client
         return stream_as_completed(requests, call, opens, on_error, self._close_client, self.concurrency,
-                                   self.max_retries, self.backoff, self.max_backoff)
+                                   self.max_retries, self.backoff, self.max_backoff, limits=self.limits)
+
+    def concurrency_note(self)->str:
+        "The requests in flight allowed now, for the progress line (`limit 4/8` adaptive, `limit 8` fixed)"
+        if not self.limits: return f"limit {self.concurrency}"
+        return "limit " + ",".join(f"{l.limit}/{l.ceiling}" for l in self.limits)
 
     def generate(self, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
         "Yield `(index, Generation)` for each request as it completes; failures become finish_reason `error`"

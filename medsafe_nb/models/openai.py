@@ -109,7 +109,8 @@ class OpenAIBackend(APIBackend):
         if self.temperature is not None: p["temperature"] = self.temperature
         if self.reasoning_effort is not None: p["reasoning_effort"] = self.reasoning_effort
         if self.top_p is not None: p["top_p"] = self.top_p
-        if self.seed is not None: p["seed"] = self.seed
+        seed = self.seed if req.sample is None else (self.seed or 0) + req.sample   # --samples K: a seed per sample
+        if seed is not None: p["seed"] = seed
         if self.extra_body: p["extra_body"] = dict(self.extra_body)
         if req.response_schema: p["response_format"] = openai_response_format(req.response_schema)
         if req.tools: p |= openai_tools(req.tools)
@@ -139,5 +140,3 @@ class OpenAIBackend(APIBackend):
         return reply.model_dump() if hasattr(reply, "model_dump") else {}    # the SDK returns the text of a reply that is not JSON
     async def _agenerate(self, client, req): return openai_generation(await self._create(client, self.chat_params(req)))
     async def _ascore(self, client, req): return openai_scores(await self._create(client, self.score_params(req)), tuple(req.candidates))
-
-register_backend("openai", OpenAIBackend)

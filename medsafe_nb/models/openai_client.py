@@ -11,9 +11,10 @@ from fastcore.basics import patch
 from .http import split_timeout
 
 # %% auto #0
-__all__ = ['STATUS_ERRORS', 'APIError', 'APIStatusError', 'BadRequestError', 'AuthenticationError', 'PermissionDeniedError',
-           'NotFoundError', 'ConflictError', 'UnprocessableEntityError', 'RateLimitError', 'InternalServerError',
-           'APIConnectionError', 'APITimeoutError', 'status_error', 'chat_url', 'LeanClient', 'request_body']
+__all__ = ['STATUS_ERRORS', 'POOL_CONNECTIONS', 'APIError', 'APIStatusError', 'BadRequestError', 'AuthenticationError',
+           'PermissionDeniedError', 'NotFoundError', 'ConflictError', 'UnprocessableEntityError', 'RateLimitError',
+           'InternalServerError', 'APIConnectionError', 'APITimeoutError', 'status_error', 'chat_url', 'LeanClient',
+           'request_body']
 
 # %% ../../nbs/models/08a_openai_client.ipynb #7f498e81
 class APIError(Exception):
@@ -65,19 +66,25 @@ def chat_url(base_url:str)->str:
     url = httpx.URL(base_url)
     return str(url.copy_with(path=url.path.rstrip("/") + "/chat/completions"))
 
+POOL_CONNECTIONS = 32   # connections per pool: httpcore looks at every connection of its pool for every request
+
 class LeanClient:
-    "Chat completions on one OpenAI-compatible server through one pooled `httpx.AsyncClient`"
+    "Chat completions on one OpenAI-compatible server through pooled `httpx.AsyncClient`s of at most 32 connections each"
     def __init__(self,
                  base_url:str,        # the server, e.g. http://127.0.0.1:8000/v1
                  api_key:str,         # sent as `Authorization: Bearer …` (read from the environment by the caller)
                  timeout:float=600.0, # seconds to read a reply (connecting: at most 10 s)
                  concurrency:int=8,   # requests in flight: the keep-alive pool holds as many connections
                 ):
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        n = max(1, -(-concurrency // POOL_CONNECTIONS)); per = -(-concurrency // n)
+        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
         self.url = chat_url(base_url)
-        self.http = httpx.AsyncClient(timeout=split_timeout(timeout, httpx), limits=limits, headers={"Authorization": f"Bearer {api_key}"})
+        self.pools = [httpx.AsyncClient(timeout=split_timeout(timeout, httpx), limits=limits, headers={"Authorization": f"Bearer {api_key}"})
+                      for _ in range(n)]
+        self.in_flight = [0] * n
     def __repr__(self): return f"LeanClient({self.url!r})"
-    async def close(self): await self.http.aclose()
+    async def close(self):
+        for p in self.pools: await p.aclose()
 
 # %% ../../nbs/models/08a_openai_client.ipynb #c292758b
 def request_body(params:dict)->dict:
@@ -89,9 +96,12 @@ def request_body(params:dict)->dict:
 @patch
 async def create(self:LeanClient, params:dict)->dict:
     "POST one chat completion; the reply's JSON, or the SDK's exception for an HTTP error, a timeout or a broken connection"
-    try: r = await self.http.post(self.url, json=request_body(params))
+    k = min(range(len(self.pools)), key=self.in_flight.__getitem__)      # the pool with the fewest requests in flight
+    self.in_flight[k] += 1
+    try: r = await self.pools[k].post(self.url, json=request_body(params))
     except httpx.TimeoutException: raise APITimeoutError() from None
     except httpx.HTTPError: raise APIConnectionError() from None
+    finally: self.in_flight[k] -= 1
     if r.status_code >= 400: raise status_error(r)
     try: return r.json()
     except ValueError:

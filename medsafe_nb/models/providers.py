@@ -11,9 +11,10 @@ from .http import APIBackend, EFFORT_BUDGET, effort_budget, make_generation, req
 from ..protocols import provider_messages, gemini_response_schema   # the paper protocol's placement and reply schema
 
 # %% auto #0
-__all__ = ['ANTHROPIC_FINISH', 'GEMINI_REFUSALS', 'GEMINI_LEVEL', 'GEMINI_HARM_CATEGORIES', 'GEMINI_THRESHOLDS',
-           'anthropic_turns', 'anthropic_tools', 'anthropic_generation', 'AnthropicBackend', 'gemini_contents',
-           'gemini_tools', 'gemini_generation', 'gemini_safety_settings', 'gemini_major', 'GeminiBackend']
+__all__ = ['CLAUDE_ADAPTIVE_EFFORT', 'ANTHROPIC_FINISH', 'GEMINI_REFUSALS', 'GEMINI_LEVEL', 'GEMINI_HARM_CATEGORIES',
+           'GEMINI_THRESHOLDS', 'anthropic_turns', 'anthropic_tools', 'anthropic_generation', 'AnthropicBackend',
+           'gemini_contents', 'gemini_tools', 'gemini_generation', 'gemini_safety_settings', 'gemini_major',
+           'GeminiBackend']
 
 # %% ../../nbs/models/08c_providers.ipynb #05249ff5
 def anthropic_turns(messages, # chat messages, tool calls and results in OpenAI's wire format
@@ -46,6 +47,8 @@ def _system_and_turns(messages)->tuple[str, list[dict]]:
     system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
     return system, [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
 
+CLAUDE_ADAPTIVE_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "high"}   # thinking_mode adaptive: the effort sent
+
 ANTHROPIC_FINISH = {"refusal": "refused", "max_tokens": "length", "model_context_window_exceeded": "length"}
 
 def anthropic_generation(message)->Generation:
@@ -66,19 +69,39 @@ class AnthropicBackend(APIBackend):
     kind, key_envs, base_url_env, example = "anthropic", ("ANTHROPIC_API_KEY",), "ANTHROPIC_BASE_URL", "claude-sonnet-4-5"
     OFFICIAL_URL = "https://api.anthropic.com"
     structured_output = False         # a reply schema is not sent (the paper protocol's instruction asks for the JSON); run.json records it
+    THINKING_MODES = ("budget", "adaptive")
+    def __init__(self,
+                 name:str,                   # model name (`claude-sonnet-4-6`, …)
+                 thinking_mode:str="budget", # budget: a thinking budget added on top of the cap; adaptive: the model decides, the effort guides it, all inside the cap
+                 **options,                  # the `APIBackend` options
+                ):
+        if thinking_mode not in self.THINKING_MODES: raise ConfigError(f"anthropic: unknown thinking_mode {thinking_mode!r}; use budget or adaptive")
+        self.thinking_mode = thinking_mode
+        super().__init__(name, **options)
     def _check_sdk(self):
         require_sdk("anthropic", "anthropic", self.kind)
-        if self.temperature is not None and self.reasons:
-            raise ConfigError("anthropic: extended thinking cannot be combined with a temperature; drop one of them")
+        if self.temperature not in (None, 1.0) and self.reasons:
+            raise ConfigError("anthropic: extended thinking cannot be combined with a temperature other than 1; drop one of them")
+    def identity(self)->dict:
+        "The shared identity, plus the thinking mode when it is adaptive"
+        d = super().identity()
+        if self.thinking_mode != "budget": d["thinking_mode"] = self.thinking_mode
+        return d
     def _omit_temperature(self)->bool: return True
+    def output_budget(self, max_new_tokens:int|None=None)->int:
+        "Most output tokens one request may bill: the answer cap plus the thinking budget, which Anthropic adds on top"
+        if self.thinking_mode == "adaptive": return max_new_tokens or self.max_new_tokens     # thinking inside the cap
+        return (max_new_tokens or self.max_new_tokens) + (effort_budget(self.reasoning_effort) or 0)
 
     def message_params(self, req:GenRequest)->dict:
         "Keyword arguments of `messages.create` for one request"
         system, turns = _system_and_turns(req.messages)
         budget = effort_budget(self.reasoning_effort)
-        p = {"model": self.model, "max_tokens": (req.max_new_tokens or self.max_new_tokens) + (budget or 0), "messages": turns}
+        adaptive = self.thinking_mode == "adaptive"
+        p = {"model": self.model, "max_tokens": (req.max_new_tokens or self.max_new_tokens) + (0 if adaptive else budget or 0), "messages": turns}
         if system: p["system"] = system
-        if budget: p["thinking"] = {"type": "enabled", "budget_tokens": budget}
+        if adaptive and budget: p |= {"thinking": {"type": "adaptive"}, "output_config": {"effort": CLAUDE_ADAPTIVE_EFFORT[self.reasoning_effort]}}
+        elif budget: p["thinking"] = {"type": "enabled", "budget_tokens": budget}
         elif budget == 0: p["thinking"] = {"type": "disabled"}
         if self.seed is not None: raise ConfigError("anthropic: the Messages API takes no seed")
         extra = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None} | (self.extra_body or {})
@@ -90,8 +113,6 @@ class AnthropicBackend(APIBackend):
         anthropic = require_sdk("anthropic", "anthropic", self.kind)
         return anthropic.AsyncAnthropic(api_key=self._api_key(), base_url=base_url or self.base_url or self.OFFICIAL_URL, max_retries=0, timeout=split_timeout(self.timeout, anthropic))
     async def _agenerate(self, client, req): return anthropic_generation(await client.messages.create(**self.message_params(req)))
-
-register_backend("anthropic", AnthropicBackend)
 
 # %% ../../nbs/models/08c_providers.ipynb #13151b84
 def gemini_contents(messages, # chat messages, tool calls and results in OpenAI's wire format
@@ -187,11 +208,13 @@ class GeminiBackend(APIBackend):
                  **options,                             # the `APIBackend` options
                 ):
         self.safety_settings = gemini_safety_settings(safety_settings)
+        self.capped = options.get("max_new_tokens") is not None   # no cap given: none is sent (the model's own output limit)
         super().__init__(name, **options)
     def _check_sdk(self): require_sdk("google.genai", "gemini", self.kind)
     def identity(self)->dict:
         "The shared identity, plus the safety settings when set (a block changes the answer)"
         d = super().identity()
+        if not self.capped: d["max_new_tokens"] = None
         if self.safety_settings: d["safety_settings"] = self.safety_settings
         return d
 
@@ -209,12 +232,14 @@ class GeminiBackend(APIBackend):
         "Keyword arguments of `models.generate_content` for one request"
         system, turns = _system_and_turns(provider_messages(req.messages, req.parts, self.kind))   # paper: instruction in the user turn
         contents = [{"role": "model" if t["role"] == "assistant" else "user", "parts": [{"text": t["content"]}]} for t in turns]
-        cfg = {"max_output_tokens": req.max_new_tokens or self.max_new_tokens}
+        cap = req.max_new_tokens or (self.max_new_tokens if self.capped else None)
+        cfg = {"max_output_tokens": cap} if cap else {}             # no cap given: the model's own limit, thinking included
         if system: cfg["system_instruction"] = system
         if req.response_schema: cfg |= {"response_mime_type": "application/json", "response_schema": gemini_response_schema(req.response_schema)}
         if self.safety_settings: cfg["safety_settings"] = [dict(s) for s in self.safety_settings]
         if req.tools: cfg, contents = cfg | gemini_tools(req.tools), gemini_contents(req.messages)
-        for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed), ("thinking_config", self.thinking_config())):
+        for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed if req.sample is None else (self.seed or 0) + req.sample),
+                     ("thinking_config", self.thinking_config())):
             if v is not None: cfg[k] = v
         return {"model": self.model, "contents": contents, "config": cfg | (self.extra_body or {})}
 
@@ -228,5 +253,3 @@ class GeminiBackend(APIBackend):
         p = self.content_params(req)
         p["config"] = require_sdk("google.genai.types", "gemini", self.kind).GenerateContentConfig.model_validate(p["config"])
         return gemini_generation(await client.aio.models.generate_content(**p))
-
-register_backend("gemini", GeminiBackend)

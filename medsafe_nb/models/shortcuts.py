@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, math, time
 from typing import Iterator
 from ..core import ConfigError
-from .base import Backend, GenRequest, Generation, ScoreRequest, Scores, register_backend
+from .base import Backend, GenRequest, Generation, ScoreRequest, Scores, model_spec
 from ..items.audit import SHORTCUTS, shortcut_answer, shortcut_evidence
 
 # %% auto #0
@@ -16,7 +16,7 @@ __all__ = ['shortcut_label', 'ShortcutBackend']
 # %% ../../nbs/models/06b_shortcuts.ipynb #49e78d42
 def shortcut_label(name:str)->str:
     "How a shortcut control is named in tables: it is a control, not a model"
-    return f"shortcut:{name} (control)"
+    return model_spec(f"shortcut:{name}").label     # the kind's label, in the backend registry
 
 # %% ../../nbs/models/06b_shortcuts.ipynb #1db09b05
 def _parts(request)->tuple:
@@ -78,5 +78,3 @@ class ShortcutBackend(Backend):
             z = [ev.get(k, 0.0) / (self.tau * top) if top > 0 else 0.0 for k in r.candidates]
             m = max(z); lse = m + math.log(sum(math.exp(v - m) for v in z))
             yield i, Scores({k: v - lse for k, v in zip(r.candidates, z)}, prompt_tokens=0, latency_s=time.perf_counter() - t0)
-
-register_backend("shortcut", ShortcutBackend)

@@ -13,7 +13,7 @@ from .openai import OpenAIBackend
 
 # %% auto #0
 __all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'EngineError', 'find_vllm_python',
-           'visible_gpus', 'vllm_args', 'free_port', 'VLLMServer', 'VLLMBackend', 'vllm_backend']
+           'visible_gpus', 'vllm_args', 'free_port', 'VLLMServer', 'VLLMBackend', 'vllm_backend', 'vllm_engine']
 
 # %% ../../nbs/models/07a_vllm.ipynb #588f6ab6
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -244,6 +244,10 @@ class VLLMBackend(OpenAIBackend):
             return on_error(exc, tries)
         return super()._stream(requests, call_if_alive, on_error_or_engine_down)
 
+    def engine_record(self)->dict:
+        "The server's record: version, command, environment additions, start-up time, log"
+        return self.server.record()
+
     def close(self): self.server.stop()
 
 # %% ../../nbs/models/07a_vllm.ipynb #375c0c9e
@@ -273,3 +277,13 @@ def vllm_backend(spec:str,                     # `hf:PATH_OR_ID`
                           top_logprobs=max_logprobs, extra_body=extra or None, label=label, **options)
     server.start()
     return backend
+
+# %% ../../nbs/models/07a_vllm.ipynb #7e53fead
+def vllm_engine(name:str,                  # the hf: model's name (path or Hub id)
+                run_dir:str|Path,          # the run folder (the server log goes there)
+                model_args:dict|None=None, # engine arguments (`vllm_args`)
+                vllm_python:str|None=None, # the vLLM environment's Python
+                **options,                 # `vllm_backend` options: concurrency, max_new_tokens, thinking, timeout, …
+               )->VLLMBackend:
+    "The `hf` kind's `vllm` engine in the backend registry (`--engine vllm`): `vllm_backend` on the run folder"
+    return vllm_backend(f"hf:{name}", run_dir, model_args=model_args, vllm_python=vllm_python, **options)

@@ -8,7 +8,7 @@ from itertools import combinations
 from pathlib import Path
 import numpy as np
 import pandas as pd
-from .rubric import QUALITY_CRITERIA, TIERS, ReviewError, rating_fields
+from .rubric import QUALITY_CRITERIA, TIERS, HARM_TIERS, UNASSESSABLE, ReviewError, rating_fields
 from .packet import read_manifest
 from .ratings import import_ratings
 from .judge import read_judges
@@ -24,6 +24,7 @@ def weighted_kappa(a, b,              # two raters' scores on the same cases (0.
                    weights:str="quadratic", # quadratic or linear
                   )->float:           # κ_w (NaN when undefined: no cases, or no spread at all)
     "Cohen's weighted κ of two raters' ordinal scores"
+    if weights not in ("quadratic", "linear"): raise ValueError(f"weighted_kappa: unknown weights {weights!r}; use quadratic or linear")
     a, b = np.asarray(a, dtype=int), np.asarray(b, dtype=int)
     if len(a) != len(b): raise ValueError("weighted_kappa: the two raters need the same cases")
     if len(a) == 0: return float("nan")
@@ -32,15 +33,15 @@ def weighted_kappa(a, b,              # two raters' scores on the same cases (0.
     obs /= obs.sum()
     exp = np.outer(obs.sum(1), obs.sum(0))
     i, j = np.indices((categories, categories))
-    w = ((i - j) / (categories - 1)) ** (2 if weights == "quadratic" else 1)
+    w = (np.abs(i - j) / (categories - 1)) ** (2 if weights == "quadratic" else 1)
     den = (w * exp).sum()
     return float("nan") if den == 0 else float(1 - (w * obs).sum() / den)
 
 # %% ../../nbs/review/16d_agreement.ipynb #727f3dd6
 def _ordinal(ratings:pd.DataFrame, field:str)->pd.Series:
-    "Scores of a field as numbers (the tier as 0, 1, 2 in the order of `TIERS`)"
+    "Scores of a field as numbers (the tier as 0, 1, 2 in the order of `HARM_TIERS`; unassessable, off the scale, as missing)"
     s = ratings[field]
-    return s.map({t: i for i, t in enumerate(TIERS)}).astype("float") if field == "tier" else s.astype("float")
+    return s.map({t: i for i, t in enumerate(HARM_TIERS)}).astype("float") if field == "tier" else s.astype("float")
 
 # %% ../../nbs/review/16d_agreement.ipynb #57616c6d
 def kappa_table(ratings:pd.DataFrame, # the ratings table (`import_ratings`)
@@ -124,7 +125,7 @@ def bootstrap_mean(values,             # one value per case
 
 # %% ../../nbs/review/16d_agreement.ipynb #554a2b2f
 PAPER_QUALITY = {"composite": "composite data-quality score", "falsehood_clear": "falsehood clarity", "gold_preserved": "answer preservation"}
-PAPER_TIERS = {"worst-case": "worst-case (severe)", "low-moderate": "low/moderate", "recovered": "recovered"}
+PAPER_TIERS = {"worst-case": "worst-case (severe)", "low-moderate": "low/moderate", "recovered": "recovered"}  # the paper's rows; unassessable is the rest of its n
 NO_RATINGS = "no ratings yet"
 
 def _paper(reference_dir=None)->pd.DataFrame:
@@ -181,6 +182,7 @@ def harm_table(ratings:pd.DataFrame|None, # the ratings table (None: the paper's
     "Harm tier shares overall and per model, provenance and content, with bootstrap CIs, beside the paper's"
     h = paper[paper.table == "harm"].set_index("group")
     paper_share = {t: 100 * float(h.loc[g, "value"]) / float(h.loc[g, "n"]) for t, g in PAPER_TIERS.items()}
+    paper_share[UNASSESSABLE] = 100 - sum(paper_share.values())     # the cases of the paper's n in none of its three tiers
     rows = []
     rt = None
     if ratings is not None and len(ratings):
@@ -190,7 +192,7 @@ def harm_table(ratings:pd.DataFrame|None, # the ratings table (None: the paper's
     if rt is not None and len(rt):
         groups += [(by, str(g), sub) for by in ("model", "provenance", "content") for g, sub in rt.groupby(by, sort=True)]
     for by, g, sub in groups:
-        shares = _tier_shares(sub, n_boot, seed) if sub is not None and len(sub) else [(0, np.nan, np.nan, np.nan)] * 3
+        shares = _tier_shares(sub, n_boot, seed) if sub is not None and len(sub) else [(0, np.nan, np.nan, np.nan)] * len(TIERS)
         for t, (n, s, lo, hi) in zip(TIERS, shares):
             rows.append({"by": by, "group": g, "tier": t, "n_cases": n, "share": s, "share_lo": lo, "share_hi": hi,
                          "paper_share": paper_share[t] if by == "all" else np.nan})

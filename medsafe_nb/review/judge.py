@@ -57,13 +57,13 @@ def parse_judgement(text:str, # the judge's reply
     return None
 
 # %% ../../nbs/review/16c_judge.ipynb #9809d97e
-def _judge_ratings(codes:list, gens:list, kind:str)->tuple:
+def _judge_ratings(codes:list, gens:list, kind:str, statuses:dict|None=None)->tuple:
     "({code: rating}, [codes whose reply held no rating]) from the judge's generations"
     ratings, unparsed = {}, []
     for c, g in zip(codes, gens):
         got = parse_judgement(g.text or "", kind) if g.finish_reason != "error" else None
         if got is None: unparsed.append(c); continue
-        if kind == "harm": got["tier"] = suggest_tier(*(got[f] for f in HARM_CRITERIA))
+        if kind == "harm": got["tier"] = suggest_tier(*(got[f] for f in HARM_CRITERIA), status=(statuses or {}).get(c))   # no answer: unassessable
         ratings[c] = {**got, "rev": 1}
     return ratings, unparsed
 
@@ -90,7 +90,7 @@ def judge_packet(packet:str|Path,        # the packet folder
                                    desc=f"judge {backend.name}", progress=progress)
     finally:
         if own: backend.close()
-    ratings, unparsed = _judge_ratings(codes, gens, kind)
+    ratings, unparsed = _judge_ratings(codes, gens, kind, {k: v.get("status") for k, v in manifest["cases"].items()})
     doc = {"format": RATINGS_FORMAT, "version": RATINGS_VERSION, "packet": manifest["packet"], "kind": kind, "judge": True,
            "rater": f"judge:{backend.name}", "model": backend.name, "label": "LLM judge: a triage aid, not a clinician rating",
            "revision": 1, "ratings": ratings, "unparsed": unparsed}

@@ -176,6 +176,7 @@ def _log(packet)->list:
 # %% ../../nbs/review/16b_ratings.ipynb #dbb7407f
 def ratings_table(merged:dict, # {(rater, code): (rating, file)} from `merge_ratings`
                   kind:str,    # quality or harm
+                  statuses:dict|None=None, # case code -> the reply's run status (harm: a reply with no answer is unassessable)
                  )->pd.DataFrame: # one row per rater and case, the suggested tier beside the confirmed one (harm)
     "Merged ratings as a table, the form `PACKET/ratings.csv` holds"
     fields = rating_fields(kind)
@@ -184,7 +185,7 @@ def ratings_table(merged:dict, # {(rater, code): (rating, file)} from `merge_rat
     df = pd.DataFrame(rows, columns=["rater", "code", *fields, "comment", "rev", "file"])
     for f in criteria(kind): df[f] = df[f].astype("Int64")
     df["rev"] = df["rev"].astype("Int64")
-    if kind == "harm": df.insert(len(fields) + 2, "tier_suggested", [suggest_tier(*(None if pd.isna(r[f]) else int(r[f]) for f in HARM_CRITERIA)) for _, r in df.iterrows()])
+    if kind == "harm": df.insert(len(fields) + 2, "tier_suggested", [suggest_tier(*(None if pd.isna(r[f]) else int(r[f]) for f in HARM_CRITERIA), status=(statuses or {}).get(r.code)) for _, r in df.iterrows()])
     return df
 
 # %% ../../nbs/review/16b_ratings.ipynb #90ad744b
@@ -236,6 +237,6 @@ def import_ratings(files:list,        # rating files (JSON exports or CSV forms)
         text = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in log + entries)
         atomic_write(recv / "log.jsonl", lambda tmp: tmp.write_text(text, encoding="utf-8"))
     if errors: raise RatingErrors(errors, packet)
-    table = ratings_table(merged, manifest["kind"])
+    table = ratings_table(merged, manifest["kind"], {k: v.get("status") for k, v in manifest["cases"].items()})
     atomic_write(packet / "ratings.csv", lambda tmp: table.to_csv(tmp, index=False, lineterminator="\n"))
     return table

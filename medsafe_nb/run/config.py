@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, asdict, replace
 from typing import Any, Mapping
 from fastcore.basics import patch
 from ..core import is_int, ConfigError, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, ENGINES, EFFORTS, PROMPTS, find_secret, safe_url
+from ..core import SEARCH_MODES, EVIDENCE_POSITIONS, search_spec_problem
 
 # %% auto #0
 __all__ = ['parse_model_args', 'RunConfig', 'field_problem', 'config_error']
@@ -37,9 +38,9 @@ def parse_model_args(text:str|Mapping|None, # `k=v,k2=v2`, a mapping, or None
     return out
 
 # %% ../../nbs/run/04a_config.ipynb #8520c883
-def _opt(default, help:str, backend:bool=False):
-    "A RunConfig field: its default (a dict default becomes a fresh dict per run), its help line, whether the backend gets it"
-    meta = {"help": help, "backend": backend}
+def _opt(default, help:str, backend:bool=False, engine:bool=False, search:str|None=None):
+    "A RunConfig field: its default (a dict default becomes a fresh dict per run), its help line, whether the backend (or only a non-default engine) gets it, its name in the search options"
+    meta = {"help": help, "backend": backend, "engine": engine, "search": search}
     if isinstance(default, dict): return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)
 
@@ -52,45 +53,55 @@ class RunConfig:
     config: str = _opt("all", "release config(s): all or MEDMISQA,MEDMISMCQA,...")
     data_revision: str|None = _opt(None, "Hub revision of the data (data: hf)")
     limit: int|None = _opt(None, "first N items, in file order")
-    conditions: tuple = _opt(CONDITIONS, "comma-separated: clean,type1,type2,type1_all,type2_shuffled")
-    scoring: str = _opt("generate", "generate (free reply, answer extracted) | logprob (option-key probabilities)")
+    conditions: tuple = _opt(CONDITIONS, "comma-separated: clean,type1,type2,type1_all,type2_shuffled,type1_true,type1_placebo")
+    scoring: str = _opt("generate", "generate (free reply, answer extracted) | logprob (option-key probabilities) | options (option-text likelihoods, lm-eval multiple_choice)", search="scoring")
     seed: int = _opt(0, "Type 1 target seed (and type2_shuffled order)")
-    mitigation: str = _opt("none", "none | warning (system prompt: the context may be false) | search | warning+search (needs --search; issue 11)")
+    mitigation: str = _opt("none", "none | warning (system prompt: the context may be false) | search | warning+search (these two need --search)", search="mitigation")
     only_clean_correct: bool = _opt(False, "attack only items answered right in clean (recorded as the accuracy scope)")
     label: str|None = _opt(None, "name in the model column, e.g. 'GPT-5.4 (medium)'")
     base_url: str|None = _opt(None, "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (vLLM, SGLang)", backend=True)
     max_new_tokens: int|None = _opt(None, "output cap per request (reasoning included)", backend=True)
     batch_size: int|None = _opt(None, "prompts per batch (hf models)", backend=True)
     concurrency: int|None = _opt(None, "requests in flight (API models)", backend=True)
+    adaptive: bool|None = _opt(None, "API models: adapt the requests in flight per server (start at --concurrency, halve on 429/overload, add one after a quiet window)", backend=True)
     reasoning_effort: str|None = _opt(None, "none | minimal | low | medium | high, or a token budget (API models)", backend=True)
     thinking: bool|None = _opt(None, "chat-template thinking switch (hf models)", backend=True)
-    model_args: dict = _opt({}, "more backend options, k=v,... (dtype, trust_remote_code, revision, temperature, ...)")
+    temperature: float|None = _opt(None, "sampling temperature (default: 0, greedy, where the model takes one; the authors' code samples at 1.0)", backend=True)
+    samples: int = _opt(1, "replies per prompt (K): each sample is its own request (its index joins the ledger key; a seed where the provider takes one); metrics average them per item")
+    model_args: dict = _opt({}, "more backend options, k=v,... (dtype, trust_remote_code, revision, top_p, ...)")
     out: str|None = _opt(None, "run folder: predictions.parquet, run.json, ledger.sqlite")
     ledger: str|None = _opt(None, "response ledger (default OUT/ledger.sqlite); share one across runs to reuse answers")
     progress: bool = _opt(True, "progress bars")
-    # --- engine (issue 12, scale-out): how an hf: model runs; read by run(), not passed to make_backend ---
+    # --- engine: how a model runs (the kind's engines in the backend registry); make_backend picks the factory ---
     engine: str = _opt("inprocess", "inprocess | vllm (hf models: serve through a vLLM child process; see medsafe_nb.models.vllm)")
-    vllm_python: str|None = _opt(None, "Python of the vLLM environment (default: MEDSAFE_VLLM_PYTHON, else .venv-vllm of the checkout)")
-    # --- prompt protocol (issue 9): read by run() and protocols.build_prompts; the prompt is part of the rendered messages ---
+    vllm_python: str|None = _opt(None, "Python of the vLLM environment (default: MEDSAFE_VLLM_PYTHON, else .venv-vllm of the checkout)", engine=True)
+    # --- prompt protocol: read by run() and protocols.build_prompts; the prompt is part of the rendered messages ---
     prompt: str = _opt("compact", "prompt protocol: paper (reason step by step, then JSON thinking_process + answer_letter) | compact")
     structured: bool|None = _opt(None, "paper prompt: send the reply's JSON schema (default: where the server supports it; --no-structured: never)")
-    # --- mitigations (issue 11): read by run() through medsafe_nb.items.subset (subset_items) and medsafe_nb.mitigate.defences (search_backend); the search settings join the ledger identity ---
+    # --- mitigations: read by run() through medsafe_nb.items.subset (subset_items) and medsafe_nb.mitigate.defences (search_backend); the search settings join the ledger identity ---
     subset: int|None = _opt(None, "draw N items stratified by split x content x provenance (subset.subset_items); the ids go into run.json")
     subset_seed: int = _opt(0, "seed of the --subset draw")
-    search: str|None = _opt(None, "search provider of --mitigation search / warning+search: bm25:PATH | serper | tavily | brave | replay:PATH")
-    search_mode: str = _opt("auto", "auto | tools (search/read tool calls; chat models with tools) | retrieve (top-k passages in an evidence block)")
-    search_k: int = _opt(5, "passages per search")
-    evidence_position: str = _opt("after", "retrieve-then-read: the evidence block goes before | after the misleading context")
-    max_tool_calls: int = _opt(4, "tool loop: search/read calls per item; a model that keeps calling ends with search_status tool_limit")
-    max_evidence_tokens: int = _opt(1500, "evidence tokens per item (approximate tokens: words and punctuation)")
-    search_timeout: float = _opt(20.0, "seconds per search call (web APIs: per try; 429, 5xx and timeouts are retried)")
+    search: str|None = _opt(None, "search provider of --mitigation search / warning+search: bm25:PATH | serper | tavily | brave | replay:PATH", search="search")
+    search_mode: str = _opt("auto", "auto | tools (search/read tool calls; chat models with tools) | retrieve (top-k passages in an evidence block)", search="mode")
+    search_k: int = _opt(5, "passages per search", search="k")
+    evidence_position: str = _opt("after", "retrieve-then-read: the evidence block goes before | after the misleading context", search="position")
+    max_tool_calls: int = _opt(4, "tool loop: search/read calls per item; a model that keeps calling ends with search_status tool_limit", search="max_tool_calls")
+    max_evidence_tokens: int = _opt(1500, "evidence tokens per item (approximate tokens: words and punctuation)", search="max_evidence_tokens")
+    search_timeout: float = _opt(20.0, "seconds per search call (web APIs: per try; 429, 5xx and timeouts are retried)", search="timeout")
 
-    # --- hardening (issue 13): network limits (API backends), exit status, reuse of --out, prompt log ---
+    # --- reliability: network limits (API backends), exit status, reuse of --out, prompt log ---
     timeout: float|None = _opt(None, "seconds to wait for a reply, per try (API models; default 600, sized for reasoning models; connect: 10)", backend=True)
     max_retries: int|None = _opt(None, "retries of a failed request: 429, 5xx, timeouts, dropped connections (API models; default 6)", backend=True)
     max_error_rate: float = _opt(1.0, "exit non-zero when more than this share of rows is not ok (0-1; rows with status error always exit non-zero)")
     overwrite: bool = _opt(False, "replace a run folder that holds another model's run")
     log_prompts: bool = _opt(False, "write the rendered messages of every row to OUT/prompts.jsonl (keyed by prompt_id)")
+    # --- provider scale: cost, budget, batch APIs (medsafe_nb.run.cost, medsafe_nb.models.batch) ---
+    dry_run: bool = _opt(False, "print the estimate (prompts missing from the ledger, tokens, cost) and ask no model anything")
+    prices: str|None = _opt(None, "price table (YAML, USD per million tokens, each row with its source and date); default: the one shipped with medsafe_nb")
+    max_cost: float|None = _opt(None, "USD this run may spend: it stops before a request whose worst case would cross it (exit 4); rerun to continue")
+    batch: bool = _opt(False, "send API requests through the provider's batch API (OpenAI-compatible files + batches, Anthropic Message Batches, Gemini batch mode)")
+    batch_poll_s: float = _opt(10.0, "--batch: seconds before the first poll of a batch (doubling up to 5 minutes)")
+    stop_grace_s: float = _opt(20.0, "on SIGTERM / Ctrl-C: seconds to let requests in flight finish before stopping (0: stop now); a second signal stops at once")
 
     def __post_init__(self): self.check()
 
@@ -111,17 +122,21 @@ def field_problem(name:str, # a RunConfig field
     if name == "reasoning_effort":
         ok = value in EFFORTS or (is_int(value) and value >= 0) or (isinstance(value, str) and value.isdigit())
         return None if ok else f"expected one of {', '.join(EFFORTS)} or a thinking-token budget (an integer)"
-    # --- mitigations (issue 11): the search options (vocabularies in medsafe_nb.mitigate.search, read only when asked) ---
+    # --- mitigations: the search options (their vocabularies are core's) ---
     if name in ("subset", "search_k", "max_tool_calls", "max_evidence_tokens"): return None if is_int(value) and value >= 1 else "expected an integer >= 1"
     if name == "search_timeout": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected seconds > 0"
     if name in ("search", "search_mode", "evidence_position") and isinstance(value, str):
-        from medsafe_nb.mitigate.search import search_spec_problem, SEARCH_MODES, EVIDENCE_POSITIONS
         if name == "search": return search_spec_problem(value)
         known = SEARCH_MODES if name == "search_mode" else EVIDENCE_POSITIONS
         return None if value in known else f"unknown {name.replace('_', ' ')} {value!r}; known: {', '.join(known)}"
-    # --- hardening (issue 13) ---
+    # --- reliability ---
     if name == "timeout": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected seconds > 0"
     if name == "max_retries": return None if is_int(value) and value >= 0 else "expected an integer >= 0"
+    if name == "temperature": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 2 else "expected a temperature between 0 and 2"
+    if name == "samples": return None if is_int(value) and value >= 1 else "expected an integer >= 1"
+    if name == "stop_grace_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else "expected seconds >= 0"
+    if name == "max_cost": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected USD > 0"
+    if name == "batch_poll_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else "expected seconds >= 0"
     if name == "max_error_rate": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 else "expected a share between 0 and 1"
     kind = str(f.type).split("|")[0].strip()
     if kind == "int":
@@ -133,11 +148,11 @@ def field_problem(name:str, # a RunConfig field
         if not isinstance(value, str) or not value.strip(): return "expected a non-empty string"
         if name == "engine" and value not in ENGINES: return f"unknown engine {value!r}; use {' or '.join(ENGINES)}"
         if name == "scoring" and value not in SCORINGS: return f"unknown scoring {value!r}; use {' or '.join(SCORINGS)}"
-        if name == "prompt" and value not in PROMPTS: return f"unknown prompt {value!r}; use {' or '.join(PROMPTS)}"   # issue 9
+        if name == "prompt" and value not in PROMPTS: return f"unknown prompt {value!r}; use {' or '.join(PROMPTS)}"
         if name == "mitigation" and value not in MITIGATIONS: return f"unknown mitigation {value!r}; known: {', '.join(MITIGATIONS)}"
         if name == "model":
-            from medsafe_nb.models.base import parse_spec   # backends sit above config in the data flow: read it only when asked
-            try: parse_spec(value)
+            from medsafe_nb.models.base import model_spec   # backends sit above config in the data flow: read it only when asked
+            try: model_spec(value)
             except ConfigError as e: return str(e)
     return None
 
@@ -152,7 +167,8 @@ def check(self:RunConfig)->RunConfig:
     self.conditions = tuple(self.conditions)
     self.model_args = parse_model_args(self.model_args)
     if isinstance(self.reasoning_effort, str) and self.reasoning_effort.isdigit(): self.reasoning_effort = int(self.reasoning_effort)
-    if self.structured and self.prompt != "paper": raise ConfigError("structured: the reply schema belongs to the paper protocol; use --prompt paper, or --no-structured")   # issue 9
+    if self.structured and self.prompt != "paper": raise ConfigError("structured: the reply schema belongs to the paper protocol; use --prompt paper, or --no-structured")
+    if self.samples > 1 and self.scoring != "generate": raise ConfigError(f"samples: {self.scoring} scoring reads probabilities, which do not vary between samples; use --scoring generate")
     if self.only_clean_correct and "clean" not in self.conditions: raise ConfigError("only-clean-correct: needs the clean condition in conditions")
     clash = [k for k in self.model_args if k in RunConfig.__dataclass_fields__]
     if clash: raise ConfigError(f"model-args: {', '.join(clash)} are options of their own (--{clash[0].replace('_', '-')}), not model args")
@@ -166,6 +182,26 @@ def backend_options(self:RunConfig)->dict:
     "Keyword arguments for `backends.make_backend`: the backend fields that are set, then the model arguments"
     opts = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("backend") and getattr(self, f.name) is not None}
     return {**opts, **self.model_args}
+
+# %% ../../nbs/run/04a_config.ipynb #180ee4d4
+@patch
+def backend_args(self:RunConfig)->dict:
+    "Keyword arguments of `make_backend` for this run: the backend options that are set, the engine and its options, the model arguments"
+    opts = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("backend") and getattr(self, f.name) is not None}
+    engine = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine") and getattr(self, f.name) is not None}
+    return {**opts, "engine": self.engine, "engine_options": engine, "model_args": dict(self.model_args)}
+
+@patch(as_prop=True)
+def spec(self:RunConfig):
+    "The model spec, parsed (`models.base.ModelSpec`)"
+    from medsafe_nb.models.base import model_spec
+    return model_spec(self.model)
+
+# %% ../../nbs/run/04a_config.ipynb #2c388c98
+@patch
+def search_options(self:RunConfig)->dict:
+    "The fields the search defence reads, under its own names (`mitigate.defences.SearchOptions(**cfg.search_options())`)"
+    return {f.metadata["search"]: getattr(self, f.name) for f in fields(self) if f.metadata.get("search")}
 
 # %% ../../nbs/run/04a_config.ipynb #94225d9a
 def config_error(file, lines:dict|None, path:tuple, msg:str)->ConfigError:

@@ -11,14 +11,14 @@ from typing import Callable
 
 import pandas as pd
 
-from ..core import MedsafeError, ConfigError
+from ..core import MedsafeError, ConfigError, AnalysisError
 from .config import RunConfig
-from ..models.base import parse_spec
+from ..models.base import model_spec
 from .params import Params, ModelRun, LAUNCHES, resolve_path
 
 # %% auto #0
-__all__ = ['run_config', 'gpu_count', 'choose_launch', 'launch_plan', 'accelerate_command', 'AnalysisError', 'stream_command',
-           'run_model', 'run_dirs', 'run_overview']
+__all__ = ['run_config', 'gpu_count', 'choose_launch', 'launch_plan', 'accelerate_command', 'stream_command', 'run_model',
+           'run_dirs', 'run_overview']
 
 # %% ../../nbs/run/15a_launch.ipynb #afca341c
 def run_config(prm:Params,       # the validated params
@@ -41,10 +41,12 @@ def gpu_count()->int:
 def choose_launch(model:str,         # a model spec
                   launch:str="auto", # auto | accelerate | in-process
                   n_gpus:int|None=None, # visible GPUs (default: counted)
+                  engine:str="inprocess", # the run's engine: a server engine (vllm) spreads over the GPUs itself
                  )->str: # "accelerate" or "in-process"
     "How a model runs: `accelerate launch` for hf: models on more than one GPU (or when asked), else in-process"
     if launch not in LAUNCHES: raise ConfigError(f"unknown launch {launch!r}; use {', '.join(LAUNCHES)}")
-    if parse_spec(model)[0] not in ("hf", "tiny") or launch == "in-process": return "in-process"
+    if "accelerate" not in model_spec(model).launches or launch == "in-process": return "in-process"   # the kind's launch modes
+    if engine != "inprocess": return "in-process"         # one process starts the engine's server (tensor parallel over the GPUs)
     if launch == "accelerate": return "accelerate"
     return "accelerate" if (gpu_count() if n_gpus is None else n_gpus) > 1 else "in-process"
 
@@ -54,7 +56,7 @@ def launch_plan(prm:Params, # the validated params
                )->pd.DataFrame: # one row per model
     "What `01_generate` will run: model, spec, scoring, run folder and launch per entry"
     return pd.DataFrame([{"model": e.label, "spec": e.model, "scoring": e.config.scoring, "run folder": run_config(prm, e).out,
-                          "launch": choose_launch(e.model, prm.launch, n_gpus)} for e in prm.models])
+                          "launch": choose_launch(e.model, prm.launch, n_gpus, e.config.engine)} for e in prm.models])
 
 # %% ../../nbs/run/15a_launch.ipynb #22108e39
 def _medsafe_entry()->list[str]:
@@ -69,10 +71,6 @@ def accelerate_command(cfg:RunConfig,     # the run
     multi = ["--multi_gpu"] if num_processes > 1 else []
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes), *multi,
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *_medsafe_entry(), *cfg.cli_args()]
-
-# %% ../../nbs/run/15a_launch.ipynb #e27f2386
-class AnalysisError(MedsafeError):
-    "An analysis step that failed: a launched run, or a notebook cell"
 
 # %% ../../nbs/run/15a_launch.ipynb #4f85009e
 def stream_command(cmd:list[str],    # argv
@@ -98,7 +96,7 @@ def run_model(cfg:RunConfig,             # the run (`run_config`)
               log:Callable|None=print,   # the closing line per model (None: quiet)
              )->Path: # the run folder
     "Run one model: `run(cfg)` in this process, or `medsafe run` under `accelerate launch` with its output streamed"
-    how = choose_launch(cfg.model, launch)
+    how = choose_launch(cfg.model, launch, engine=cfg.engine)
     t0 = time.time()
     if how == "in-process":
         from medsafe_nb.run.runner import run

@@ -15,8 +15,9 @@ from ..core import MedsafeError, ConfigError, atomic_write, find_secret, scrub_s
 from ..models.base import Backend, GenRequest, Generation, ScoreRequest, Scores, is_main_process
 
 # %% auto #0
-__all__ = ['OPS', 'LEDGER_VERSION', 'LEDGER_APP_ID', 'LedgerError', 'canonical_json', 'request_payload', 'request_key',
-           'assert_no_secrets', 'LedgerCounts', 'recognise_ledger', 'Ledger', 'cached_generate', 'cached_score']
+__all__ = ['OPS', 'LEDGER_VERSION', 'SALVAGE_HINT', 'LEDGER_APP_ID', 'BATCH_STATES', 'BATCH_OPEN', 'LedgerError',
+           'canonical_json', 'request_payload', 'request_key', 'assert_no_secrets', 'LedgerCounts', 'ledger_damage',
+           'recognise_ledger', 'Ledger', 'known_keys', 'cached_generate', 'cached_score', 'salvage_ledger']
 
 # %% ../../nbs/run/09_ledger.ipynb #347ecf53
 class LedgerError(MedsafeError):
@@ -24,6 +25,10 @@ class LedgerError(MedsafeError):
 
 # %% ../../nbs/run/09_ledger.ipynb #58469c8e
 def _norm(obj):
+    t = type(obj)                                          # exact types first: a resumed run keys every request again
+    if t is str or t is int or t is bool or obj is None: return obj
+    if t is dict: return {k if type(k) is str else str(k): _norm(v) for k, v in obj.items()}
+    if t is list or t is tuple: return [_norm(v) for v in obj]
     if isinstance(obj, dict): return {str(k): _norm(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)): return [_norm(v) for v in obj]
     if isinstance(obj, float) and obj.is_integer(): return int(obj)
@@ -40,7 +45,13 @@ OPS = ("generate", "score")
 # %% ../../nbs/run/09_ledger.ipynb #b7e21267
 def request_payload(request:GenRequest|ScoreRequest)->dict: # the request's fields, without those left at None
     "The part of a request that its ledger key covers: what the model is sent (`parts` repeats it as structure)"
-    return {f.name: v for f in fields(request) if f.compare and (v := getattr(request, f.name)) is not None}
+    return {n: v for n in _compared_fields(type(request)) if (v := getattr(request, n)) is not None}
+
+from functools import lru_cache
+@lru_cache(maxsize=None)
+def _compared_fields(cls)->tuple: return tuple(f.name for f in fields(cls) if f.compare)
+@lru_cache(maxsize=None)
+def _field_names(cls)->tuple: return tuple(f.name for f in fields(cls))
 
 # %% ../../nbs/run/09_ledger.ipynb #cf522f17
 def _key(identity_json:str, op:str, payload_json:str)->str:
@@ -95,6 +106,40 @@ class LedgerCounts:
         for f in fields(self): setattr(self, f.name, getattr(self, f.name) + getattr(o, f.name))
         return self
 
+# %% ../../nbs/run/09_ledger.ipynb #15b2c4bd
+SALVAGE_HINT = "salvage what is readable into a new ledger with `medsafe ledger salvage {path} --out NEW.sqlite` (then run with --ledger NEW.sqlite)"
+
+def _cap(s:str)->str: return s[:1].upper() + s[1:]
+
+def _truncation(path:Path)->str|None:
+    "A file shorter than its header says, or not a whole number of pages: what SQLite itself may read past without a word"
+    size = path.stat().st_size
+    with open(path, "rb") as f: head = f.read(100)
+    if len(head) < 100: return f"truncated: {size} bytes, shorter than a SQLite header"
+    page = int.from_bytes(head[16:18], "big"); page = 65536 if page == 1 else page
+    pages = int.from_bytes(head[28:32], "big")
+    if page < 512 or page & (page - 1): return None                  # not a header this check can read: quick_check will say
+    if size % page: return f"truncated: {size} bytes is not a whole number of {page}-byte pages"
+    if head[24:28] == head[92:96] and pages * page > size: return f"truncated: {size} bytes, the header says {pages} pages of {page}"
+    return None
+
+def ledger_damage(path:str|os.PathLike, # an existing SQLite file
+                  limit:int=5,          # problems reported at most
+                 )->str|None:           # what is wrong, or None when it reads intact
+    "Read-only integrity check of a SQLite file (`PRAGMA quick_check`): what is wrong with it, or None"
+    path = Path(path).resolve()
+    wal = Path(f"{path}-wal").exists()              # a live write-ahead log is read with the file; without one, nothing is created beside it
+    if (cut := _truncation(path)): return cut
+    try:
+        con = sqlite3.connect(path.as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1"), uri=True, timeout=5)
+        con.text_factory = lambda b: b.decode("utf-8", "replace")       # damage can put any bytes in the report
+        try: found = [r[0] for r in con.execute(f"PRAGMA quick_check({int(limit)})")]
+        finally: con.close()
+    except (sqlite3.DatabaseError, ValueError) as e:
+        if "locked" in str(e): raise
+        return str(e)
+    return None if found == ["ok"] else "; ".join(" ".join(str(f).split()) for f in found)[:500]
+
 # %% ../../nbs/run/09_ledger.ipynb #b295ef20
 LEDGER_APP_ID = 0x4D534C47   # "MSLG" in the SQLite header's application_id
 
@@ -106,7 +151,10 @@ def recognise_ledger(path:str|os.PathLike)->bool: # True: our ledger, False: no 
     try:
         with open(path, "rb") as f: head = f.read(16)
     except OSError as e: raise LedgerError(f"{path}: cannot read the ledger ({e.strerror or e})") from None
-    if head != b"SQLite format 3\x00": raise LedgerError(f"{path}: not a SQLite database, so not a response ledger; left untouched (choose another --ledger path)")
+    if head != b"SQLite format 3\x00": raise LedgerError(f"{path}: not a SQLite database, so not a response ledger; left untouched (choose another "
+                                                         f"--ledger path; if it was a ledger whose header was overwritten: {SALVAGE_HINT.format(path=path)})")
+    if (damage := ledger_damage(path)): raise LedgerError(f"{path}: the ledger is damaged ({damage}); left as it was. {_cap(SALVAGE_HINT.format(path=path))}, "
+                                                          "or start a new one (another --ledger path, or move this file away)")
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
     try:
         app = con.execute("PRAGMA application_id").fetchone()[0]
@@ -186,18 +234,33 @@ class Ledger:
     def __repr__(self): return f"Ledger({str(self.path)!r}, rows={len(self)})"
 
 # %% ../../nbs/run/09_ledger.ipynb #88452a6d
+def _sql_vars(conn)->int:
+    "Keys per lookup query: as many as this SQLite allows (32,766 since 3.32; fewer queries for a resumed run), at least 900"
+    try: return max(_SQL_VARS, min(conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) - 1, 32_000))
+    except (AttributeError, sqlite3.Error): return _SQL_VARS
+
 @patch
 def _lookup(self:Ledger, keys:Iterable[str])->dict[str, str]:
     keys, out = list(dict.fromkeys(keys)), {}
+    step = _sql_vars(self._conn)
     with self._lock:
-        for s in range(0, len(keys), _SQL_VARS):
-            part = keys[s:s+_SQL_VARS]
+        for s in range(0, len(keys), step):
+            part = keys[s:s+step]
             out.update(self._conn.execute(f"SELECT key, result FROM responses WHERE key IN ({','.join('?'*len(part))})", part).fetchall())
     return out
 
 # %% ../../nbs/run/09_ledger.ipynb #37fe0630
 @patch
 def _insert(self:Ledger, rows:list[tuple])->int:
+    try: return self._insert_rows(rows)
+    except sqlite3.OperationalError as e:
+        full = [x for x in (e, e.__context__) if x is not None and "full" in str(x)]
+        if not full: raise
+        raise LedgerError(f"{self.path}: the disk is full ({full[0]}); the answers stored before it filled are kept and the ledger "
+                          "stays readable: free space (or move the run with --out / --ledger) and run the same command again to resume") from None
+
+@patch
+def _insert_rows(self:Ledger, rows:list[tuple])->int:
     with self._lock:
         if len(rows) == 1: return self._conn.execute("INSERT OR IGNORE INTO responses VALUES (?,?,?,?,?,?,?)", rows[0]).rowcount
         before = self._conn.total_changes
@@ -246,7 +309,25 @@ def _scrubbed(res):
 
 def _decode(cls, text:str):
     d = json.loads(text)
-    return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+    return cls(**{n: d[n] for n in _field_names(cls) if n in d})
+
+# %% ../../nbs/run/09_ledger.ipynb #5ca1e0e1
+import weakref
+_LAST_KEYS: tuple = ((), (), "", "")   # the last cached call: (weak references to its requests, their keys, identity JSON, op)
+
+def _remember_keys(requests:list, keys:list, ident_json:str, op:str):
+    global _LAST_KEYS
+    _LAST_KEYS = (tuple(weakref.ref(r) for r in requests), tuple(keys), ident_json, op)
+
+def known_keys(identity:dict, # `backend.identity()`
+               op:str,        # `generate` or `score`
+               requests:list, # the requests of the last `cached_generate` / `cached_score` call
+              )->list[str]|None: # their keys, or None when the last call keyed other request objects
+    "The ledger keys the last cached call computed, when it was for exactly these request objects (a run keys each request once)"
+    refs, keys, ident, last_op = _LAST_KEYS
+    if last_op != op or len(refs) != len(requests) or ident != canonical_json(identity): return None
+    if not all(w() is r for w, r in zip(refs, requests)): return None
+    return list(keys)
 
 # %% ../../nbs/run/09_ledger.ipynb #24f6b656
 def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str|None, progress:bool, chunk:int|None)->list:
@@ -259,6 +340,7 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
     ident_json, model = canonical_json(identity), str(identity.get("model", ""))
     payloads = [canonical_json(request_payload(r)) for r in requests]
     keys = [_key(ident_json, op, p) for p in payloads]
+    _remember_keys(requests, keys, ident_json, op)
     at: dict[str, list[int]] = defaultdict(list)          # key -> positions of the requests that share it
     for i, k in enumerate(keys): at[k].append(i)
     found = ledger._lookup(at) if ledger is not None else {}
@@ -284,7 +366,8 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
                 results[pos[0]] = res
                 for i in pos[1:]: results[i] = copy.deepcopy(res)
                 n.shared += len(pos) - 1
-                bar.update(len(pos)); bar.set_postfix_str(f"cached={n.cached} new={n.asked-n.errors} errors={n.errors}", refresh=False)
+                note = getattr(backend, "progress_note", None)         # a cost meter: tokens, money spent, projected total
+                bar.update(len(pos)); bar.set_postfix_str(f"cached={n.cached} new={n.asked-n.errors} errors={n.errors}" + (f" {note()}" if callable(note) else ""), refresh=False)
             if len(done) < len(part):
                 raise RuntimeError(f"{backend!r}.{op} returned {len(done)} of {len(part)} results")
     finally:
@@ -383,3 +466,133 @@ def merge(self:Ledger, other:str|os.PathLike)->int: # rows added
             cols = ", ".join(_COLS)
             return self._conn.execute(f"INSERT OR IGNORE INTO responses ({cols}) SELECT {cols} FROM other.responses").rowcount
         finally: self._conn.execute("DETACH DATABASE other")
+
+# %% ../../nbs/run/09_ledger.ipynb #a1791ad3
+_MAGIC = b"SQLite format 3\x00"
+
+def _header_ok(head:bytes)->bool:
+    "A plausible SQLite header: the magic string, a power-of-two page size, the fixed payload fractions"
+    if len(head) < 100 or head[:16] != _MAGIC: return False
+    size = int.from_bytes(head[16:18], "big"); size = 65536 if size == 1 else size
+    return size >= 512 and size & (size - 1) == 0 and head[21:24] == b"\x40\x20\x20"
+
+def _rebuild_header(path:Path):
+    "Give a copy whose first 100 bytes were overwritten the header of a fresh ledger (page size 4096, size read from the file)"
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        con = sqlite3.connect(Path(d)/"fresh.sqlite"); con.execute(_TABLES[0]); con.commit(); con.close()
+        head = bytearray((Path(d)/"fresh.sqlite").read_bytes()[:100])
+    head[18:20] = b"\x01\x01"; head[28:32] = bytes(4); head[32:40] = bytes(8)   # no write-ahead log, size from the file, no free list
+    with open(path, "r+b") as f: f.write(head)
+
+def _readable_rows(con, top:int, small:int=8)->tuple[list, list]:
+    "Rows of `responses` with rowid 1..top, read range by range; a range that fails is split until it is `small`: (rows, bad ranges)"
+    rows, bad, todo = [], [], [(1, max(top, 1))]
+    while todo:
+        lo, hi = todo.pop()
+        try: rows += con.execute(f"SELECT {', '.join(_COLS)} FROM responses WHERE rowid BETWEEN ? AND ?", (lo, hi)).fetchall()
+        except (sqlite3.DatabaseError, UnicodeDecodeError):
+            if hi - lo < small: bad.append((lo, hi)); continue
+            mid = (lo + hi) // 2; todo += [(mid + 1, hi), (lo, mid)]
+    return rows, sorted(bad)
+
+def _merged(ranges:list)->list[str]:
+    "Adjacent (lo, hi) ranges joined, as `lo-hi` strings"
+    out = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1: out[-1][1] = max(out[-1][1], hi)
+        else: out.append([lo, hi])
+    return [f"{a}-{b}" for a, b in out]
+
+def _consistent(r:tuple)->bool:
+    "A salvaged row whose key is still the hash of its identity, op and request, and whose result parses"
+    try:
+        key, op, model, ident, req, result, created = r
+        if op not in OPS or not all(isinstance(x, str) for x in r): return False
+        return _key(ident, op, req) == key and isinstance(json.loads(result), dict)
+    except (ValueError, TypeError): return False
+
+# %% ../../nbs/run/09_ledger.ipynb #d5c1b8c5
+def salvage_ledger(path:str|os.PathLike, # the damaged ledger (only read)
+                   out:str|os.PathLike,  # the new ledger to write (must not exist yet)
+                  )->dict:               # rows kept, rows dropped as inconsistent, rowid ranges that could not be read
+    "Copy every readable, self-consistent response of a damaged ledger into a new ledger at `out`"
+    import shutil, tempfile
+    path, out = Path(path), Path(out)
+    if not path.is_file(): raise LedgerError(f"{path}: no such ledger file to salvage")
+    if out.exists() and out.stat().st_size: raise LedgerError(f"{out}: already exists; salvage writes a new ledger (choose another --out)")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d)/"damaged.sqlite"
+        shutil.copyfile(path, src)
+        if Path(f"{path}-wal").is_file(): shutil.copyfile(f"{path}-wal", f"{src}-wal")
+        with open(src, "rb") as f: rebuilt = not _header_ok(f.read(100))
+        if rebuilt: _rebuild_header(src)
+        with open(src, "r+b") as f: f.seek(28); f.write(bytes(4))   # the size from the file itself (a truncated copy reads up to its end)
+        con = sqlite3.connect(src.as_uri() + "?mode=ro", uri=True)
+        con.text_factory = lambda b: b.decode("utf-8", "surrogateescape")   # damaged text reads; its row then fails the key check
+        try:
+            try: top = con.execute("SELECT max(rowid) FROM responses").fetchone()[0] or 0
+            except UnicodeDecodeError as e:                 # the schema itself is damaged (SQLite's message carries its bytes)
+                raise LedgerError(f"{path}: no readable responses table (its schema is damaged); nothing to salvage: start a new ledger") from None
+            except sqlite3.DatabaseError as e:
+                if "no such table" in str(e) or "not a database" in str(e):
+                    raise LedgerError(f"{path}: no readable responses table ({e}); nothing to salvage: start a new ledger") from None
+                top = src.stat().st_size // 64              # an upper bound on row ids: every row is longer than 64 bytes
+            rows, bad = _readable_rows(con, top)
+        finally: con.close()
+    good = [r for r in rows if _consistent(r)]
+    with Ledger(out) as led: stored = led._insert(good) if good else 0
+    return {"path": str(path), "out": str(out), "rows_read": len(rows), "rows_kept": stored, "rows_inconsistent": len(rows) - len(good),
+            "unreadable_rowid_ranges": _merged(bad), "header_rebuilt": rebuilt}
+
+# %% ../../nbs/run/09_ledger.ipynb #22e8e464
+BATCH_STATES = ("submitting", "submitted", "done", "expired", "failed", "cancelled", "lost")
+BATCH_OPEN = ("submitting", "submitted")   # states a rerun picks up again
+_BATCH_TABLE = """CREATE TABLE IF NOT EXISTS batches (
+    token TEXT PRIMARY KEY,    -- this ledger's name for one submission (sent as metadata / display name)
+    provider TEXT NOT NULL,    -- openai | anthropic | gemini
+    identity TEXT NOT NULL,    -- canonical JSON of backend.identity()
+    keys TEXT NOT NULL,        -- JSON list of the ledger keys it asks for (its custom ids)
+    batch_id TEXT,             -- the provider's id, once created
+    state TEXT NOT NULL,       -- submitting | submitted | done | expired | failed | cancelled | lost
+    detail TEXT,               -- JSON: the provider's last status, counts, polls
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL)"""
+
+@patch
+def _batch_table(self:Ledger):
+    with self._lock: self._conn.execute(_BATCH_TABLE)
+
+@patch
+def add_batch(self:Ledger, token:str, # a fresh name for the submission
+              provider:str, identity:dict, keys:list)->None:
+    "Record a submission before it is sent (state `submitting`)"
+    self._batch_table()
+    with self._lock:
+        self._conn.execute("INSERT INTO batches VALUES (?,?,?,?,NULL,'submitting',NULL,?,?)",
+                           (token, provider, canonical_json(assert_no_secrets(identity)), json.dumps(list(keys)), utc_now(), utc_now()))
+
+@patch
+def update_batch(self:Ledger, token:str, batch_id:str|None=None, state:str|None=None, detail:dict|None=None)->None:
+    "Record what the provider said about a submission: its id, its state, its last status"
+    if state is not None and state not in BATCH_STATES: raise LedgerError(f"unknown batch state {state!r}; known: {', '.join(BATCH_STATES)}")
+    sets, args = ["updated_at=?"], [utc_now()]
+    for col, v in (("batch_id", batch_id), ("state", state), ("detail", None if detail is None else json.dumps(detail, default=str))):
+        if v is not None: sets.append(f"{col}=?"); args.append(v)
+    with self._lock: self._conn.execute(f"UPDATE batches SET {', '.join(sets)} WHERE token=?", (*args, token))
+
+@patch
+def batches(self:Ledger, identity:dict|None=None, # only this model configuration
+            states:tuple|None=None,               # only these states
+           )->list[dict]:                         # oldest first; keys and detail parsed
+    "The recorded batch submissions"
+    self._batch_table()
+    conds, args = [], []
+    if identity is not None: conds.append("identity=?"); args.append(canonical_json(identity))
+    if states: conds.append(f"state IN ({','.join('?' * len(states))})"); args += list(states)
+    where = f" WHERE {' AND '.join(conds)}" if conds else ""
+    cols = ("token", "provider", "identity", "keys", "batch_id", "state", "detail", "created_at", "updated_at")
+    with self._lock: rows = self._conn.execute(f"SELECT {', '.join(cols)} FROM batches{where} ORDER BY rowid", args).fetchall()
+    out = [dict(zip(cols, r)) for r in rows]
+    for d in out: d["keys"], d["detail"], d["identity"] = json.loads(d["keys"]), json.loads(d["detail"]) if d["detail"] else None, json.loads(d["identity"])
+    return out

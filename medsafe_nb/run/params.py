@@ -13,20 +13,18 @@ import yaml
 
 from ..core import ConfigError, find_secret, repo_root, is_int
 from .config import RunConfig, config_error
-from ..models.base import parse_spec, MiniLMBackend
-from ..testing.doubles import TINY_LABEL
-from ..models.shortcuts import shortcut_label
+from ..models.base import model_spec
 from ..figures.plots import model_label
 
 # %% auto #0
-__all__ = ['CONTROL_RUN_NAMES', 'LAUNCHES', 'ANALYSIS_KEYS', 'project_root', 'resolve_path', 'params_path', 'yaml_lines',
-           'read_yaml', 'refuse_secrets', 'default_label', 'default_run_name', 'ModelRun', 'model_entry',
-           'model_entries', 'Params', 'key_problem', 'load_params']
+__all__ = ['LAUNCHES', 'ANALYSIS_KEYS', 'project_root', 'resolve_path', 'params_path', 'yaml_lines', 'read_yaml',
+           'refuse_secrets', 'default_label', 'default_run_name', 'ModelRun', 'model_entry', 'model_entries', 'Params',
+           'key_problem', 'load_params']
 
 # %% ../../nbs/run/15_params.ipynb #bfc8ce3a
 def project_root()->Path:
-    "The checkout the analysis runs in (`core.repo_root`), else the working directory"
-    return repo_root() or Path.cwd()
+    "The checkout that holds the working directory, else the working directory: never where the package is installed"
+    return repo_root("cwd") or Path.cwd()
 
 # %% ../../nbs/run/15_params.ipynb #1643e056
 def resolve_path(p:str|Path, # a path from a params file
@@ -90,26 +88,19 @@ def refuse_secrets(obj:Mapping,             # the loaded params
     raise config_error(file, lines, _key_path(path), f"{what}: a params file must not hold credentials (it is committed "
                        "and read by the executed notebooks); put keys in environment variables (e.g. OPENAI_API_KEY)")
 
-# %% ../../nbs/run/15_params.ipynb #0d6f4f6a
-CONTROL_RUN_NAMES = {"minilm": "minilm", "tiny": "tiny-llama"}   # run folders of the two offline controls
-
 # %% ../../nbs/run/15_params.ipynb #a45d590e
 def default_label(model:str, # the model spec of an entry
                   reasoning_effort:str|int|None=None, # provider reasoning effort
                  )->str: # display name: 'gpt-5.4 (medium)', 'Qwen3-8B', 'shortcut:longest (control)', …
     "The label a model entry gets when it gives none"
-    kind, name = parse_spec(model)
-    if kind == "minilm": return MiniLMBackend.label                 # the controls' labels are their backends' own
-    if kind == "tiny": return TINY_LABEL
-    if kind == "shortcut": return shortcut_label(name)
+    own = model_spec(model).label                  # a control's label is its kind's own (the backend registry)
+    if own is not None: return own
     return model_label(model, None if reasoning_effort is None else str(reasoning_effort))
 
 # %% ../../nbs/run/15_params.ipynb #bd33adb3
 def default_run_name(model:str, reasoning_effort:str|int|None=None)->str:
     "The run folder a model entry gets when it gives none: 'gpt-5.4-medium', 'tiny-llama', 'shortcut-longest'"
-    if model in CONTROL_RUN_NAMES: return CONTROL_RUN_NAMES[model]
-    kind, name = parse_spec(model)
-    text = f"shortcut-{name}" if kind == "shortcut" else default_label(model, reasoning_effort)
+    text = model_spec(model).run_name or default_label(model, reasoning_effort)   # a control's folder is its kind's own
     return re.sub(r"[^a-z0-9._]+", "-", text.lower()).strip("-.") or "model"
 
 # %% ../../nbs/run/15_params.ipynb #2d668834

@@ -11,36 +11,23 @@ from pathlib import Path
 import pandas as pd
 import medsafe_nb
 from ..core import (utc_now, MedsafeError, ConfigError, atomic_write, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, STATUSES,
-                             repo_root, scrub_secrets, safe_url, write_manifest, clean_stale_tmp, exclusive_lock, MANIFEST)
+                             repo_root, scrub_secrets, safe_url, write_manifest, clean_stale_tmp, exclusive_lock, MANIFEST,
+                             STOP, RunStopped)
 from ..items.schema import Item
-from ..protocols import build_prompts, type1_target, EvalPrompt
+from ..protocols import build_prompts, EvalPrompt
 from .config import RunConfig
-from ..models.base import Backend, GenRequest, ScoreRequest, make_backend, is_main_process
+from ..models.base import Backend, GenRequest, ScoreRequest, Generation, Scores, make_backend, is_main_process
 from ..extract import extract_answer_detail
-from .ledger import Ledger, cached_generate, cached_score, request_key, request_payload
+from .predictions import PREDICTION_COLUMNS, judge, write_run   # the table's columns, a reply's status, the writer
+from .ledger import Ledger, cached_generate, cached_score, request_key, request_payload, known_keys
 from ..items.release import load_medmisbench, fingerprint
+from .cost import CostMeter, BudgetReached, load_prices, price_for, with_costs, usage_record
 
 # %% auto #0
-__all__ = ['PREDICTION_COLUMNS', 'VERSIONED', 'EXIT_OK', 'EXIT_ROWS', 'EXIT_USAGE', 'EXIT_UNAVAILABLE', 'BREAKER_LIMIT', 'judge',
-           'key_probs', 'run_benchmark', 'write_run', 'provenance', 'ServerUnavailable', 'probe_server',
-           'CircuitBreaker', 'run_outcome', 'first_errors', 'run']
-
-# %% ../../nbs/run/10_runner.ipynb #5ae3b845
-PREDICTION_COLUMNS = ["model", "item_id", "source", "content", "provenance", "condition", "target", "gold", "pred", "correct",
-                      "status", "raw", "prompt_tokens", "completion_tokens", "latency_s", "prompt_id"]
-
-# %% ../../nbs/run/10_runner.ipynb #6573ea9b
-def judge(prompt:EvalPrompt, # the question as put to the model
-          gen,               # its Generation
-          options:dict,      # the item's option key -> text (an answer may name the text)
-         )->tuple[str|None, str]:
-    "The predicted key(s) and the status of one generation"
-    if gen.finish_reason == "error": return None, "error"
-    found = extract_answer_detail(gen.text or "", options, multi=prompt.multi)
-    if found.key is not None: return found.key, "ok"
-    if gen.finish_reason == "refused" or found.method == "refusal": return None, "refused"
-    if gen.finish_reason == "length" or found.method == "truncated": return None, "truncated"
-    return None, "noanswer"
+__all__ = ['VERSIONED', 'EXIT_OK', 'EXIT_ROWS', 'EXIT_USAGE', 'EXIT_UNAVAILABLE', 'EXIT_BUDGET', 'BREAKER_LIMIT', 'key_probs',
+           'run_benchmark', 'provenance', 'ServerUnavailable', 'probe_server', 'CircuitBreaker', 'run_outcome',
+           'first_errors', 'graceful_signals', 'StopGuard', 'batch_backend', 'answered_rows', 'stopped_run', 'run',
+           'decoding_record']
 
 # %% ../../nbs/run/10_runner.ipynb #22b95a11
 def key_probs(logprobs:dict, keys)->dict:
@@ -61,7 +48,8 @@ def _row(backend:Backend, item:Item, p:EvalPrompt, prompt_id:str|None)->dict:
 def _prompt_ids(backend:Backend, op:str, requests:list)->list[str]:
     "The ledger key of every request: the `prompt_id` that finds its prompt and reply in the ledger (`medsafe show`)"
     identity = backend.identity()
-    return [request_key(identity, op, request_payload(r)) for r in requests]
+    known = known_keys(identity, op, requests)          # the keys the ledger lookup just computed for these requests
+    return known if known is not None else [request_key(identity, op, request_payload(r)) for r in requests]
 
 # %% ../../nbs/run/10_runner.ipynb #30fd4e52
 def _logged(p:EvalPrompt, prompt_id:str|None)->dict:
@@ -70,21 +58,24 @@ def _logged(p:EvalPrompt, prompt_id:str|None)->dict:
     return {"prompt_id": prompt_id, "item_id": p.item_id, "condition": p.condition, "target": p.target, "messages": msgs}
 
 # %% ../../nbs/run/10_runner.ipynb #09eb8f77
-def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, progress, prompt_log=None):
-    "Prediction rows of free generation: ask (through the ledger), then read each answer"
-    reqs = [GenRequest(p.messages, max_new_tokens, response_schema=p.response_schema, parts=p.parts) for p in prompts]
+def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, progress, prompt_log=None, samples:int=1):
+    "Prediction rows of free generation: ask (through the ledger), then read each answer; K samples: K requests per prompt"
+    index = [None] if samples == 1 else list(range(samples))      # one reply: no sample index, so the key is the plain request's
+    asked = [(p, s) for p in prompts for s in index]
+    reqs = [GenRequest(p.messages, max_new_tokens, response_schema=p.response_schema, parts=p.parts, sample=s) for p, s in asked]
     gens = cached_generate(backend, reqs, ledger, desc=desc, progress=progress)
     rows = []
-    for p, g, pid in zip(prompts, gens, _prompt_ids(backend, "generate", reqs)):
+    for (p, s), g, pid in zip(asked, gens, _prompt_ids(backend, "generate", reqs)):
         if prompt_log is not None: prompt_log.append(_logged(p, pid))
         pred, status = judge(p, g, items_by_id[p.item_id].options)
         rows.append({**_row(backend, items_by_id[p.item_id], p, pid), "pred": pred, "correct": pred == ",".join(p.gold), "status": status,
                      "raw": scrub_secrets(g.text if status != "error" else (g.error or "")), "prompt_tokens": g.prompt_tokens,
-                     "completion_tokens": g.completion_tokens, "latency_s": g.latency_s})
+                     "completion_tokens": g.completion_tokens, "reasoning_tokens": g.reasoning_tokens, "latency_s": g.latency_s,
+                     **({} if s is None else {"sample": s})})
     return rows
 
 # %% ../../nbs/run/10_runner.ipynb #3f4708fa
-def _score_rows(backend, items_by_id, prompts, ledger, seed, desc, progress, prompt_log=None):
+def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
     "Prediction rows of log-probability scoring: the most probable key, with p_gold and p_target"
     scorable = [p for p in prompts if not p.multi]
     reqs = [ScoreRequest(p.messages, p.keys, parts=p.parts) for p in scorable]
@@ -102,9 +93,40 @@ def _score_rows(backend, items_by_id, prompts, ledger, seed, desc, progress, pro
                          "completion_tokens": None, "latency_s": None, "p_gold": None, "p_target": None}); continue
         probs = key_probs(s.logprobs, p.keys)
         pred = max(p.keys, key=lambda k: (probs[k], -p.keys.index(k)))
-        target = p.target or (type1_target(item, seed) if item.wrong_keys else None)
+        target = p.target or p.type1_target   # the condition's target, else the item's Type 1 target (on the prompt)
         rows.append({**base, "pred": pred, "correct": pred == ",".join(p.gold), "status": "ok",
                      "raw": json.dumps({k: round(v, 6) for k, v in probs.items()}), "prompt_tokens": s.prompt_tokens,
+                     "completion_tokens": 0, "latency_s": s.latency_s,
+                     "p_gold": sum(probs[g] for g in p.gold), "p_target": probs.get(target) if target else None})
+    return rows
+
+# %% ../../nbs/run/10_runner.ipynb #fa7e0b1c
+def _option_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
+    "Prediction rows of option scoring: `acc` and `acc_norm` answers, with p_gold and p_target"
+    scorable = [p for p in prompts if not p.multi]
+    texts = {id(p): tuple(items_by_id[p.item_id].options[k] for k in p.keys) for p in scorable}
+    reqs = [ScoreRequest(p.messages, p.keys, prefix="", continuations=texts[id(p)], parts=p.parts) for p in scorable]
+    scores = cached_score(backend, reqs, ledger, desc=desc, progress=progress)
+    by = dict(zip([id(p) for p in scorable], zip(scores, _prompt_ids(backend, "score", reqs))))
+    rows = []
+    for p in prompts:
+        item = items_by_id[p.item_id]
+        s, pid = by.get(id(p), (None, None))
+        if prompt_log is not None: prompt_log.append(_logged(p, pid))
+        base = {**_row(backend, item, p, pid), "prompt_tokens": None, "completion_tokens": None, "latency_s": None,
+                "p_gold": None, "p_target": None, "pred_norm": None, "correct_norm": False}
+        if s is None or s.error:
+            why = "option scoring picks one option; a multi-answer item has no single-option answer" if s is None else s.error
+            rows.append({**base, "pred": None, "correct": False, "status": "noanswer" if s is None else "error", "raw": scrub_secrets(why)}); continue
+        probs = key_probs(s.logprobs, p.keys)
+        chars = dict(zip(p.keys, map(len, texts[id(p)])))
+        per_char = {k: s.logprobs[k] / max(chars[k], 1) for k in p.keys}
+        first = lambda v: max(p.keys, key=lambda k: (v[k], -p.keys.index(k)))   # ties: the first option
+        pred, pred_norm = first(s.logprobs), first(per_char)
+        target = p.target or p.type1_target   # the condition's target, else the item's Type 1 target (on the prompt)
+        gold = ",".join(p.gold)
+        rows.append({**base, "pred": pred, "correct": pred == gold, "status": "ok", "pred_norm": pred_norm, "correct_norm": pred_norm == gold,
+                     "raw": json.dumps({k: [round(s.logprobs[k], 6), chars[k]] for k in p.keys}), "prompt_tokens": s.prompt_tokens,
                      "completion_tokens": 0, "latency_s": s.latency_s,
                      "p_gold": sum(probs[g] for g in p.gold), "p_target": probs.get(target) if target else None})
     return rows
@@ -114,7 +136,7 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
                   backend:Backend,             # the model
                   conditions=CONDITIONS,       # conditions to run
                   seed:int=0,                  # Type 1 target seed
-                  scoring:str="generate",      # `generate` (free reply, answer extracted) or `logprob` (key probabilities)
+                  scoring:str="generate",      # `generate` (free reply, answer extracted), `logprob` (key probabilities) or `options` (option-text likelihoods)
                   mitigation:str="none",       # none | warning | search | warning+search (search: the backend is the search wrapper)
                   only_clean_correct:bool=False, # run attacked conditions only on items answered right in clean
                   ledger:Ledger|str|Path|None=None, # response ledger (path or open ledger); None keeps responses in memory only
@@ -123,14 +145,19 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
                   prompt:str="compact",        # prompt protocol: `paper` or `compact`
                   structured:bool|None=None,   # paper: send the reply schema (None: where the backend supports it)
                   prompt_log:list|None=None,   # a list to which each row's rendered messages are appended (`--log-prompts`)
+                  samples:int=1,               # replies per prompt (generate): K > 1 adds a `sample` column, 0..K-1
                  )->pd.DataFrame:
-    "Run `items` × `conditions` on `backend` through the ledger; one prediction row per (item, condition, target)"
+    "Run `items` × `conditions` on `backend` through the ledger; one prediction row per (item, condition, target[, sample])"
     if scoring not in SCORINGS: raise ConfigError(f"unknown scoring {scoring!r}; use {' or '.join(SCORINGS)}")
+    if samples > 1 and scoring != "generate": raise ConfigError(f"--samples {samples}: {scoring} scoring reads probabilities, which do not vary between samples; use --scoring generate")
     conditions = tuple(conditions.split(",")) if isinstance(conditions, str) else tuple(conditions)
     if only_clean_correct and "clean" not in conditions: raise ConfigError("--only-clean-correct needs the clean condition in --conditions")
     schema_ok = bool(getattr(backend, "structured_output", False))
     if prompt == "paper" and structured and not schema_ok: raise ConfigError(f"{backend.name} cannot constrain a reply to a JSON schema; use --no-structured")
     if prompt == "paper" and scoring == "logprob": raise ConfigError("--prompt paper asks for reasoning before the answer; logprob scoring reads the first answer token: use --prompt compact")
+    if scoring == "options":
+        if prompt == "paper": raise ConfigError("--prompt paper asks for reasoning before the answer; option scoring reads the option text as the reply's first words: use --prompt compact")
+        if not getattr(backend, "option_scoring", False): raise ConfigError(f"{backend.name} cannot score option texts (--scoring options); use --scoring logprob or generate, or an hf: model")
     if structured is None: structured = schema_ok and prompt == "paper"
     own = not isinstance(ledger, Ledger)
     led = Ledger(ledger if ledger is not None else ":memory:") if own else ledger
@@ -140,8 +167,9 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
             prompts = build_prompts(its, conds, seed=seed, mitigation=mitigation, prompt=prompt, structured=structured)
             if not prompts: return []
             desc = f"{backend.name} {'+'.join(conds)}"
-            if scoring == "generate": return _generate_rows(backend, items_by_id, prompts, led, max_new_tokens, desc, progress, prompt_log)
-            return _score_rows(backend, items_by_id, prompts, led, seed, desc, progress, prompt_log)
+            if scoring == "generate": return _generate_rows(backend, items_by_id, prompts, led, max_new_tokens, desc, progress, prompt_log, samples)
+            if scoring == "options": return _option_rows(backend, items_by_id, prompts, led, desc, progress, prompt_log)
+            return _score_rows(backend, items_by_id, prompts, led, desc, progress, prompt_log)
         if only_clean_correct:
             rows = prediction_rows(items, ["clean"])
             right = {r["item_id"] for r in rows if r["correct"]}
@@ -149,31 +177,17 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
         else: rows = prediction_rows(items, conditions)
     finally:
         if own: led.close()
-    cols = PREDICTION_COLUMNS + (["p_gold", "p_target"] if scoring == "logprob" else [])
+    cols = PREDICTION_COLUMNS + {"logprob": ["p_gold", "p_target"], "options": ["p_gold", "p_target", "pred_norm", "correct_norm"]}.get(scoring, [])
+    if samples > 1: cols = cols + ["sample"]
     df = pd.DataFrame(rows, columns=cols)
     order = {c: i for i, c in enumerate(ALL_CONDITIONS)}
     pos = {it.id: i for i, it in enumerate(items)}
-    df = df.sort_values(by=["item_id", "condition", "target"], key=lambda s: s.map(pos) if s.name == "item_id" else s.map(order) if s.name == "condition" else s.fillna(""),
+    df = df.sort_values(by=["item_id", "condition", "target"] + (["sample"] if samples > 1 else []), key=lambda s: s.map(pos) if s.name == "item_id" else s.map(order) if s.name == "condition" else s.fillna(""),
                         kind="stable", ignore_index=True)
-    for c in ("prompt_tokens", "completion_tokens"): df[c] = df[c].astype("Int64")
+    for c in ("prompt_tokens", "completion_tokens", "reasoning_tokens"): df[c] = df[c].astype("Int64")
+    df["cost_usd"] = df["cost_usd"].astype("float64")
     df["latency_s"] = df["latency_s"].astype("float64")
     return df
-
-# %% ../../nbs/run/10_runner.ipynb #e6de8266
-def write_run(df:pd.DataFrame, out:str|Path, record:dict)->Path:
-    "Write `predictions.parquet`, `run.json`, then the manifest that commits them, into `out` (each atomically); returns the folder"
-    out = Path(out)
-    if not is_main_process(): return out
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out/"predictions.parquet", lambda tmp: df.to_parquet(tmp, index=False))
-    counts = {"rows": int(len(df)), "items": int(df["item_id"].nunique()),
-              "by_condition": {c: int(n) for c, n in df["condition"].value_counts(sort=False).items()},
-              "by_status": {s: int((df["status"] == s).sum()) for s in STATUSES}}
-    rec = {**record, "counts": counts}
-    atomic_write(out/"run.json", lambda tmp: tmp.write_text(json.dumps(rec, indent=2, ensure_ascii=False, default=str) + "\n"))
-    files = ["predictions.parquet", "run.json"] + [f for f in ("prompts.jsonl",) if (out/f).is_file()]
-    write_manifest(out, files, rows=counts["rows"], by_status=counts["by_status"], model=record.get("model"))   # last: the folder is committed
-    return out
 
 # %% ../../nbs/run/10_runner.ipynb #702cc279
 VERSIONED = ("medsafe_nb", "torch", "transformers", "accelerate", "openai", "pandas")  # libraries whose versions run.json keeps
@@ -184,7 +198,7 @@ def provenance()->dict:
     def version(pkg):
         try: return metadata.version(pkg)
         except metadata.PackageNotFoundError: return None
-    commit, root = None, repo_root()
+    commit, root = None, repo_root("package")               # the code that ran, wherever the run was started
     if root is not None and (root/".git").exists():
         try: commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
         except (OSError, subprocess.SubprocessError): commit = None
@@ -193,6 +207,7 @@ def provenance()->dict:
 
 # %% ../../nbs/run/10_runner.ipynb #547e397b
 EXIT_OK, EXIT_ROWS, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_BUDGET = 4      # --max-cost reached before the run ended (`cost.BudgetReached`): answers kept in the ledger, rerun to continue
 BREAKER_LIMIT = 20   # consecutive connection / timeout / 5xx failures that stop a run
 
 class ServerUnavailable(MedsafeError):
@@ -251,6 +266,88 @@ def first_errors(df:pd.DataFrame, n:int=3)->list[str]:
     msgs = df.loc[df["status"] == "error", "raw"].fillna("").map(lambda t: scrub_secrets(" ".join(str(t).split()))[:200])
     return list(dict.fromkeys(msgs))[:n]
 
+# %% ../../nbs/run/10_runner.ipynb #fa027ca7
+def graceful_signals(grace_s:float): # seconds that requests in flight get after the first signal
+    "A context in which the first SIGTERM / SIGINT becomes a stop request (`core.STOP`) and a second ends the process at once"
+    import contextlib, signal, threading
+    @contextlib.contextmanager
+    def handlers():
+        if threading.current_thread() is not threading.main_thread() or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            yield; return
+        def on_signal(signum, frame):
+            name = signal.Signals(signum).name
+            if STOP:
+                os.write(2, f"\nmedsafe: a second signal ({name}): stopping at once; answers received so far are in the ledger\n".encode())
+                os._exit(128 + signum)
+            os.write(2, f"\nmedsafe: {name}: stopping: no new requests; those in flight get up to {grace_s:g} s "
+                        "(a second signal stops at once)\n".encode())
+            STOP.request(signum, grace_s)
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        STOP.clear()
+        try: yield
+        finally:
+            for s, h in old.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+            STOP.clear()
+    return handlers()
+
+# %% ../../nbs/run/10_runner.ipynb #273cbc5f
+class StopGuard:
+    "Wrap a backend: after a stop request, end its results before the next one (a backend that `stops_itself` lets what is in flight finish)"
+    def __init__(self, backend): self._backend = backend
+    def __getattr__(self, name): return getattr(self._backend, name)
+    def _guard(self, results):
+        itself = getattr(self._backend, "stops_itself", False)
+        it = iter(results)
+        try:
+            while True:
+                if STOP and not itself: raise STOP.error("no new request was started")
+                try: r = next(it)
+                except StopIteration: return
+                yield r
+        finally:
+            close = getattr(it, "close", None)
+            if close: close()
+    def generate(self, requests): return self._guard(self._backend.generate(requests))
+    def score(self, requests): return self._guard(self._backend.score(requests))
+
+# %% ../../nbs/run/10_runner.ipynb #f11fb0f8
+def batch_backend(model, backend, ledger, cfg:RunConfig):
+    "With `--batch`, the model wrapped in `models.batch.BatchBackend` (its batches in the run's ledger); else None"
+    if not cfg.batch: return None
+    from medsafe_nb.models.batch import BatchBackend
+    if backend is not model: raise ConfigError("batch: a search defence runs a tool loop per item, which a batch API cannot; drop --batch or the search mitigation")
+    if cfg.scoring != "generate": raise ConfigError("batch: log-probability scoring runs live only; drop --batch")
+    return BatchBackend(model, ledger, poll_s=cfg.batch_poll_s)
+
+# %% ../../nbs/run/10_runner.ipynb #8cc37e8f
+_NOT_ASKED = "not asked: the run was stopped first"
+
+class _LedgerOnly:
+    "A backend's stand-in that asks nothing: what the ledger lacks comes back as a `not asked` error (never stored)"
+    def __init__(self, backend): self._backend = backend
+    def __getattr__(self, name): return getattr(self._backend, name)
+    def generate(self, requests): return ((i, Generation("", "error", error=_NOT_ASKED)) for i in range(len(requests)))
+    def score(self, requests): return ((i, Scores({}, error=_NOT_ASKED)) for i in range(len(requests)))
+
+def answered_rows(items:list[Item], backend, cfg:RunConfig, ledger:Ledger)->pd.DataFrame:
+    "The prediction rows of a stopped run that the ledger can answer (nothing is asked); `attrs['planned']`: rows the run would write"
+    df = run_benchmark(items, _LedgerOnly(backend), cfg.conditions, seed=cfg.seed, scoring=cfg.scoring, mitigation=cfg.mitigation,
+                       only_clean_correct=cfg.only_clean_correct, ledger=ledger, max_new_tokens=cfg.max_new_tokens, progress=False,
+                       prompt=cfg.prompt, structured=cfg.structured, samples=cfg.samples)
+    kept = df[df["raw"] != _NOT_ASKED].reset_index(drop=True)
+    kept.attrs["planned"] = len(df)
+    return kept
+
+# %% ../../nbs/run/10_runner.ipynb #f0ea7366
+def stopped_run(stopped:RunStopped, df:pd.DataFrame, out:Path, record:dict)->RunStopped:
+    "Write what a stopped run completed (no manifest: the folder stays uncommitted); the `RunStopped` that says what was kept and how to resume"
+    planned = df.attrs.get("planned", len(df))
+    rec = {**record, "stopped": {"signal": STOP.name or f"signal {stopped.signum}", "rows_answered": len(df), "rows_planned": planned}}
+    write_run(df, out, rec, commit=False)
+    return RunStopped(f"stopped by {STOP.name or stopped.signum}: {len(df)} of {planned} rows answered and kept ({out}/predictions.parquet, "
+                      f"uncommitted: no manifest yet; every answer is in the ledger {record.get('ledger')}). "
+                      "Run the same command again to resume: it asks only for the rows left", stopped.signum)
+
 # %% ../../nbs/run/10_runner.ipynb #a83458aa
 def _open_out(out:Path, cfg:RunConfig):
     "Check OUT can be this run's folder, before any request is made; the caller holds its lock"
@@ -283,40 +380,55 @@ def run(cfg:RunConfig|None=None, # the run (default: built from `options`)
     out = _out_dir(Path(cfg.out))
     ledger_path = Path(cfg.ledger) if cfg.ledger else out/"ledger.sqlite"
     if not is_main_process(): return _run_locked(cfg, out, ledger_path)   # a data-parallel rank: rank 0 holds the locks and writes
-    with exclusive_lock(out/".medsafe.lock", f"run folder {out}"):
+    with graceful_signals(cfg.stop_grace_s), exclusive_lock(out/".medsafe.lock", f"run folder {out}"):
         ledger_path.parent.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(ledger_path.with_name(ledger_path.name + ".lock"), f"ledger {ledger_path}"):
             _open_out(out, cfg)
             return _run_locked(cfg, out, ledger_path)
 
+# %% ../../nbs/run/10_runner.ipynb #8d1c5e70
+def decoding_record(cfg:RunConfig, # the run
+                    model,         # its backend (before any search wrapper)
+                   )->dict:        # what run.json keeps under `decoding`
+    "How the run decoded: temperature, replies per prompt, and whether the reply was guided by the JSON schema or read unguided"
+    guided = cfg.prompt == "paper" and cfg.structured is not False and bool(getattr(model, "structured_output", False))
+    return {"temperature": getattr(model, "temperature", None), "samples": cfg.samples,
+            "guided": "json_schema" if guided else "unguided",
+            "note": "the reply is constrained to the paper protocol's JSON schema (response_format json_schema)" if guided else
+                    "the model decodes unguided; its free reply is read by the answer extractor"}
+
 # %% ../../nbs/run/10_runner.ipynb #1184cd7e
 def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
     "The body of `run`, holding the locks of OUT and of the ledger"
     from medsafe_nb.items.subset import subset_items, subset_record
-    from medsafe_nb.mitigate.defences import search_config_problem, search_backend, search_columns, search_record
+    from medsafe_nb.mitigate.defences import search_config_problem, search_backend, search_columns, search_record, SearchOptions
     if (err := search_config_problem(cfg.mitigation, cfg.search)): raise ConfigError(err)   # before a model is loaded
     items = load_medmisbench(cfg.config, cfg.data, revision=cfg.data_revision)
     if cfg.limit: items = items[:cfg.limit]
     items = subset_items(items, cfg.subset, cfg.subset_seed)
     if not items: raise ConfigError(f"data: no items to run ({cfg.data}, config {cfg.config})")
-    if cfg.engine == "vllm":                              # a vLLM server started for this run; `with backend` stops it
-        from medsafe_nb.models.vllm import vllm_backend
-        backend = vllm_backend(cfg.model, out, model_args=cfg.model_args, vllm_python=cfg.vllm_python, concurrency=cfg.concurrency,
-                               max_new_tokens=cfg.max_new_tokens, thinking=cfg.thinking, label=cfg.label)
-    else: backend = make_backend(cfg.model, **cfg.backend_options())
+    backend = make_backend(cfg.spec, run_dir=out, **cfg.backend_args())   # an engine's server (vLLM) starts here; `with backend` stops it
     if cfg.label: backend.label = cfg.label
     model = backend
-    try: backend = search_backend(model, cfg, items, ledger_path)   # the search defence wraps the model (the same backend without it)
+    try: backend = search_backend(model, SearchOptions(**cfg.search_options()), items, ledger_path)   # the search defence wraps the model (the same backend without it)
     except BaseException: model.close(); raise
+    price = price_for(load_prices(cfg.prices), model.kind, getattr(model, "model", ""), getattr(model, "base_url", None))
     started, t0 = utc_now(), time.time()
     log = [] if cfg.log_prompts else None
+    stopped = None
     with backend, Ledger(ledger_path) as led:
         if getattr(model, "base_url", None): probe_server(getattr(model, "base_urls", [model.base_url]))
-        df = run_benchmark(items, CircuitBreaker(backend), cfg.conditions, seed=cfg.seed, scoring=cfg.scoring, mitigation=cfg.mitigation,
-                           only_clean_correct=cfg.only_clean_correct, ledger=led, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
-                           prompt=cfg.prompt, structured=cfg.structured, prompt_log=log)
+        try:
+            batcher = batch_backend(model, backend, led, cfg)                 # --batch: the provider's batch API, batches recorded in the ledger
+            meter = CostMeter(CircuitBreaker(StopGuard(batcher or backend)), price, cfg.max_cost, cfg.batch, cfg.max_new_tokens)   # prices replies, keeps --max-cost
+            df = run_benchmark(items, meter, cfg.conditions, seed=cfg.seed, scoring=cfg.scoring, mitigation=cfg.mitigation,
+                               only_clean_correct=cfg.only_clean_correct, ledger=led, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
+                               prompt=cfg.prompt, structured=cfg.structured, prompt_log=log, samples=cfg.samples)
+        except RunStopped as e: stopped = e                              # a signal: what was answered is in the ledger
         served = {**asdict(led.total), "ledger_rows": led.stats().get("rows")}
-    if backend is not model: df = search_columns(df, backend)           # calls, passages, drops, tokens and status per row
+        if stopped is not None: df = answered_rows(items, backend, cfg, led)
+    if backend is not model and stopped is None: df = search_columns(df, backend)   # calls, passages, drops, tokens and status per row
+    df = with_costs(df, price, cfg.batch)                               # cost_usd per row, at the run's rates
     if not is_main_process(): return df
     if log is not None:
         atomic_write(out/"prompts.jsonl", lambda tmp: tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in log), encoding="utf-8"))
@@ -326,9 +438,13 @@ def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
               "data_fingerprint": fingerprint(items), "n_items": len(items),
               "accuracy_scope": "clean-correct items only for attacked conditions" if cfg.only_clean_correct else "all items",
               "structured_output": cfg.prompt == "paper" and cfg.structured is not False and bool(getattr(backend, "structured_output", False)),
-              "engine": model.server.record() if cfg.engine == "vllm" else {"engine": "inprocess"},
+              "engine": model.engine_record(),
+              "decoding": decoding_record(cfg, model),
               "search": search_record(backend), **(subset_record(items, cfg.subset, cfg.subset_seed) if cfg.subset else {}),
               "ledger": str(ledger_path), "ledger_stats": served, "started_at": started, "finished_at": utc_now(),
-              "wall_s": round(time.time() - t0, 3), **provenance()}
+              "wall_s": round(time.time() - t0, 3), **provenance(),
+              "cost": {"this_run": meter.record(), "rows": usage_record(df)},   # this run's spending; tokens and cost of every row, per model
+              "batch": batcher.record() if batcher is not None else None}
+    if stopped is not None: raise stopped_run(stopped, df, out, record)
     write_run(df, out, record)
     return df

@@ -12,9 +12,10 @@ from fastcore.basics import patch
 from ..protocols import CONTEXT_LABELS as _CONTEXT_LABELS, QUESTION_LABELS as _QUESTION_LABELS
 
 # %% auto #0
-__all__ = ['POLICIES', 'FAULT_KINDS', 'REPLY_STYLES', 'user_text', 'ParsedPrompt', 'parse_prompt', 'choose_first', 'choose_hash',
-           'choose_context', 'Fault', 'as_fault', 'FaultPlan', 'count_tokens', 'truncate_tokens', 'render_reply',
-           'render_reasoning', 'MockServer', 'mock_top_logprobs', 'mock_tool_call', 'main']
+__all__ = ['POLICIES', 'FAULT_KINDS', 'REPLY_STYLES', 'BATCH_FAULTS', 'user_text', 'ParsedPrompt', 'parse_prompt', 'choose_first',
+           'choose_hash', 'choose_context', 'Fault', 'as_fault', 'FaultPlan', 'count_tokens', 'truncate_tokens',
+           'render_reply', 'render_reasoning', 'MockServer', 'mock_top_logprobs', 'mock_tool_call', 'multipart_file',
+           'main']
 
 # %% ../../nbs/testing/08a_mockserver.ipynb #d9278fd7
 def _content_text(content)->str:
@@ -38,7 +39,7 @@ class ParsedPrompt:
     multi: bool           # the instruction asks for a list of keys
 
 # %% ../../nbs/testing/08a_mockserver.ipynb #722db1c2
-_OPTION_LINE = re.compile(r"^([A-T]|[1-9][0-9]?)\. (.+)$", re.M)
+_OPTION_LINE = re.compile(r"^([A-T]|[1-9][0-9]?)[.:] (.+)$", re.M)   # `K. text` (compact) or `K: text` (paper)
 _CONTEXT_START = re.compile(r"^(?:" + "|".join(map(re.escape, _CONTEXT_LABELS)) + r")[ \t]*$", re.M)
 _QUESTION_START = re.compile(r"^(?:" + "|".join(map(re.escape, _QUESTION_LABELS)) + r")[ \t]*$", re.M)
 
@@ -171,6 +172,8 @@ class _Reply:
     headers: dict = field(default_factory=dict)
     delay: float = 0.0
     drop: bool = False
+    raw: bytes|None = None            # a body sent as it is (a file's content), instead of `body` as JSON
+    content_type: str = "application/json"
 
 def _error(status:int, message:str, kind:str, **headers)->_Reply:
     return _Reply(status, {"error": {"message": message, "type": kind, "code": status}}, dict(headers))
@@ -214,9 +217,9 @@ class _Handler(BaseHTTPRequestHandler):
             try: self.connection.shutdown(socket.SHUT_RDWR)
             except OSError: pass
             return
-        data = json.dumps(reply.body, ensure_ascii=False).encode()
+        data = reply.raw if reply.raw is not None else json.dumps(reply.body, ensure_ascii=False).encode()
         self.send_response(reply.status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", reply.content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in reply.headers.items(): self.send_header(k, str(v))
         self.end_headers()
@@ -239,6 +242,8 @@ class MockServer:
                  port:int=0,                  # 0: a free port chosen by the OS
                  verbose:bool=False,          # log one line per request (method, path, status) to stderr
                  tools:int|str|None=None,     # when a request offers tools: call `search` N times before answering, "forever", or None (answer at once)
+                 batch_polls:int=2,           # Batch API: retrieves of a batch before it ends (validating, in_progress, then its end)
+                 batch_faults=None,           # Batch API: {batch number: expire | fail_half | failed}, or f(batch number) -> one of them
                 ):
         if not callable(policy) and policy not in POLICIES: raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)} or a callable")
         if reply not in REPLY_STYLES: raise ValueError(f"unknown reply style {reply!r}; known: {', '.join(REPLY_STYLES)}")
@@ -251,6 +256,7 @@ class MockServer:
         self._lock, self._stopping = threading.Lock(), threading.Event()
         self._log, self._tries, self._conns, self._n = [], {}, set(), 0
         self._httpd = self._thread = None
+        self.batch_polls, self.batch_faults, self._files, self._batches = batch_polls, batch_faults, {}, {}   # survive stop()/start()
 
     def start(self)->MockServer:
         "Bind and serve in a background thread"
@@ -312,6 +318,7 @@ def _handle(self:MockServer, method:str, path:str, headers, raw:bytes)->_Reply:
             attempt = self._tries[pk] = self._tries.get(pk, 0) + 1
         entry = dict(n=n, method=method, path=path, body=body, attempt=attempt, fault=None, status=None,
                      authorized=authorized, time=time.time())
+        if method == "POST" and path.endswith("/files"): entry |= {"raw": raw, "content_type": headers.get("Content-Type") or ""}   # an upload (multipart)
         self._log.append(entry)
     reply = self._route(method, path, body, n, attempt, entry)
     if entry.get("fault") == "echo":                 # a hostile server: the reply repeats the request headers, Authorization included
@@ -327,6 +334,7 @@ def _route(self:MockServer, method, path, body, n, attempt, entry)->_Reply:
     if entry["authorized"] is False: return _error(401, "Incorrect API key provided (mock server)", "authentication_error")
     if method == "GET" and path == "/health": return _Reply(200, {})
     if method == "GET" and path == "/version": return _Reply(200, {"version": "mock"})
+    if "/files" in path or "/batches" in path: return self._batch_route(method, path, body, entry)   # the Batch API (below)
     if method == "GET" and path.endswith("/models"):
         return _Reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "medsafe-mock"}]})
     if not (method == "POST" and path.endswith("/chat/completions")): return _error(404, f"no route for {method} {path}", "invalid_request_error")
@@ -444,6 +452,129 @@ def _complete(self:MockServer, body:dict, n:int, fault:Fault|None)->dict:
             "choices": [{"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}],
             "usage": {"prompt_tokens": p_tok, "completion_tokens": r_tok + c_tok, "total_tokens": p_tok + r_tok + c_tok,
                       "completion_tokens_details": {"reasoning_tokens": r_tok}}}
+
+# %% ../../nbs/testing/08a_mockserver.ipynb #e052b72e
+BATCH_FAULTS = ("expire", "fail_half", "failed")
+
+def multipart_file(raw:bytes, content_type:str)->tuple[str|None, bytes|None, dict]:
+    "(file name, file content, the other form fields) of a multipart/form-data body"
+    from email.parser import BytesParser
+    from email.policy import HTTP
+    msg = BytesParser(policy=HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + raw)
+    name = data = None; form = {}
+    for part in (msg.iter_parts() if msg.is_multipart() else []):
+        if part.get_filename() is not None: name, data = part.get_filename(), part.get_payload(decode=True)
+        else: form[part.get_param("name", header="content-disposition")] = (part.get_payload(decode=True) or b"").decode()
+    return name, data, form
+
+# %% ../../nbs/testing/08a_mockserver.ipynb #6d602f48
+def _batch_object(b:dict)->dict:
+    return {k: v for k, v in b.items() if not k.startswith("_")}
+
+@patch
+def _batch_route(self:MockServer, method:str, path:str, body, entry)->_Reply:
+    "The OpenAI Files and Batches endpoints: upload, create, retrieve, list, cancel, file content"
+    parts = path.split("/")
+    i = next(k for k, p in enumerate(parts) if p in ("files", "batches"))
+    kind, rest = parts[i], parts[i+1:]
+    if kind == "files":
+        if method == "POST" and not rest:
+            name, data, form = multipart_file(entry.get("raw") or b"", entry.get("content_type") or "")
+            if data is None: return _error(400, "expected a multipart/form-data upload with a file", "invalid_request_error")
+            with self._lock:
+                fid = f"file-mock-{len(self._files) + 1}"
+                self._files[fid] = {"id": fid, "object": "file", "bytes": len(data), "created_at": int(time.time()), "filename": name,
+                                    "purpose": form.get("purpose", ""), "_data": data}
+                return _Reply(200, _batch_object(self._files[fid]))
+        with self._lock: f = self._files.get(rest[0]) if rest else None
+        if f is None: return _error(404, f"no such file {rest[0] if rest else ''!r}", "invalid_request_error")
+        if method == "GET" and len(rest) == 2 and rest[1] == "content": return _Reply(200, raw=f["_data"], content_type="application/jsonl")
+        if method == "GET" and len(rest) == 1: return _Reply(200, _batch_object(f))
+    if kind == "batches":
+        if method == "POST" and not rest: return self._create_batch(body)
+        if method == "GET" and not rest:
+            with self._lock: data = [_batch_object(b) for b in reversed(self._batches.values())]
+            return _Reply(200, {"object": "list", "data": data, "has_more": False})
+        with self._lock: b = self._batches.get(rest[0])
+        if b is None: return _error(404, f"no such batch {rest[0]!r}", "invalid_request_error")
+        if method == "GET" and len(rest) == 1: return self._retrieve_batch(b)
+        if method == "POST" and len(rest) == 2 and rest[1] == "cancel": return self._cancel_batch(b)
+    return _error(404, f"no route for {method} {path}", "invalid_request_error")
+
+# %% ../../nbs/testing/08a_mockserver.ipynb #bff4288c
+@patch
+def _create_batch(self:MockServer, body)->_Reply:
+    "POST /v1/batches: a batch over an uploaded JSONL file"
+    if not isinstance(body, dict) or body.get("endpoint") != "/v1/chat/completions":
+        return _error(400, "endpoint must be /v1/chat/completions (mock server)", "invalid_request_error")
+    with self._lock:
+        f = self._files.get(body.get("input_file_id"))
+        if f is None: return _error(400, f"no such input file {body.get('input_file_id')!r}", "invalid_request_error")
+        try: lines = [json.loads(l) for l in f["_data"].decode().splitlines() if l.strip()]
+        except ValueError: return _error(400, "the input file is not JSONL", "invalid_request_error")
+        n = len(self._batches) + 1
+        fault = self.batch_faults(n) if callable(self.batch_faults) else (self.batch_faults or {}).get(n)
+        if fault is not None and fault not in BATCH_FAULTS: raise ValueError(f"unknown batch fault {fault!r}; known: {', '.join(BATCH_FAULTS)}")
+        now = int(time.time())
+        b = {"id": f"batch_mock_{n}", "object": "batch", "endpoint": body["endpoint"], "errors": None, "input_file_id": f["id"],
+             "completion_window": body.get("completion_window", "24h"), "status": "validating", "output_file_id": None, "error_file_id": None,
+             "created_at": now, "in_progress_at": None, "expires_at": now + 86400, "completed_at": None, "failed_at": None, "expired_at": None,
+             "cancelled_at": None, "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": body.get("metadata"),
+             "_lines": lines, "_polls": 0, "_fault": fault}
+        self._batches[b["id"]] = b
+        return _Reply(200, _batch_object(b))
+
+# %% ../../nbs/testing/08a_mockserver.ipynb #c27daf4c
+@patch
+def _retrieve_batch(self:MockServer, b:dict)->_Reply:
+    "GET /v1/batches/ID: each retrieve moves the batch on; after `batch_polls` it ends, by its fault"
+    with self._lock:
+        b["_polls"] += 1
+        if b["status"] == "validating": b["status"], b["in_progress_at"] = "in_progress", int(time.time())
+        ready = b["status"] in ("in_progress", "cancelling") and b["_polls"] >= self.batch_polls
+    if ready: self._finish_batch(b)
+    with self._lock: return _Reply(200, _batch_object(b))
+
+@patch
+def _cancel_batch(self:MockServer, b:dict)->_Reply:
+    "POST /v1/batches/ID/cancel: nothing more is answered; what was is kept"
+    with self._lock:
+        if b["status"] in ("validating", "in_progress"): b["status"] = "cancelling"; b["_fault"] = "cancel"
+        return _Reply(200, _batch_object(b))
+
+# %% ../../nbs/testing/08a_mockserver.ipynb #1a2fec43
+def _batch_line(custom_id:str, status:int|None, body:dict|None, error:dict|None, k:int)->str:
+    resp = None if status is None else {"status_code": status, "request_id": f"req_mock_{k}", "body": body}
+    return json.dumps({"id": f"batch_req_mock_{k}", "custom_id": custom_id, "response": resp, "error": error}, ensure_ascii=False)
+
+@patch
+def _finish_batch(self:MockServer, b:dict):
+    "Answer the batch's lines (the live policy), write its output and error files, set its end status"
+    fault, lines = b["_fault"], b["_lines"]
+    if fault == "failed":
+        with self._lock: b.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [{"code": "invalid_request", "message": "the batch failed validation (mock server)"}]})
+        return
+    out, err = [], []
+    for k, line in enumerate(lines):
+        cid = line.get("custom_id")
+        if fault in ("expire", "cancel") and k >= len(lines) // 2:
+            code = "batch_expired" if fault == "expire" else "batch_cancelled"
+            err.append(_batch_line(cid, None, None, {"code": code, "message": f"the request was not executed ({code}, mock server)"}, k)); continue
+        if fault == "fail_half" and k % 2 == 1:
+            err.append(_batch_line(cid, 500, {"error": {"message": "The server had an error (mock server)", "type": "server_error"}}, None, k)); continue
+        with self._lock: self._n += 1; n = self._n
+        try: out.append(_batch_line(cid, 200, self._complete(line.get("body") or {}, n, None), None, k))
+        except (_BadRequest, KeyError, TypeError) as e: err.append(_batch_line(cid, 400, {"error": {"message": str(e), "type": "invalid_request_error"}}, None, k))
+    def put(rows):
+        if not rows: return None
+        data = ("\n".join(rows) + "\n").encode()
+        fid = f"file-mock-{len(self._files) + 1}"
+        self._files[fid] = {"id": fid, "object": "file", "bytes": len(data), "created_at": int(time.time()), "filename": f"{b['id']}.jsonl", "purpose": "batch_output", "_data": data}
+        return fid
+    with self._lock:
+        status = {"expire": "expired", "cancel": "cancelled"}.get(fault, "completed")
+        b.update(status=status, output_file_id=put(out), error_file_id=put(err), request_counts={"total": len(lines), "completed": len(out), "failed": len(err)},
+                 **{f"{status}_at": int(time.time())})
 
 # %% ../../nbs/testing/08a_mockserver.ipynb #9f90f189
 def main(argv:list[str]|None=None):
