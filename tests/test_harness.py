@@ -7,7 +7,7 @@ in a side environment, `.venv-harness` (`make harness-env`; torch 2.13.0 CPU fir
 by requirements.txt). When the main venv has them, it is used instead. If neither is there and the side environment
 cannot be built, the tests skip and say why.
 """
-import json, os, subprocess, sys, textwrap
+import json, math, os, subprocess, sys, textwrap
 from pathlib import Path
 import pytest
 from medsafe_nb import harness
@@ -109,7 +109,7 @@ INSPECT_API = textwrap.dedent('''
 
 @pytest.mark.parametrize("condition,want", [
     ("type1", {"clean_acc": 100.0, "type1_acc": 25.0, "type1_asr": 75.0, "type1_tasr": 75.0}),
-    ("type2", {"clean_acc": 100.0, "type2_acc": 25.0, "type2_asr": 75.0}),
+    ("type2", {"clean_acc": 100.0, "type2_acc": 25.0, "type2_asr": 75.0, "type2_rescue": None}),  # rescue: no clean-wrong item
     ("clean", {"clean_acc": 100.0}),
 ])
 def test_inspect_scores_are_our_metrics(side_python, side_env, condition, want):
@@ -117,7 +117,9 @@ def test_inspect_scores_are_our_metrics(side_python, side_env, condition, want):
     r = subprocess.run([str(side_python), "-c", INSPECT_API, condition], cwd=ROOT, env=side_env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == want
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in got.items()}   # NaN: undefined on these items
+    assert got == want
 
 
 LMEVAL_LOAD = textwrap.dedent('''

@@ -138,7 +138,7 @@ _LOADED: dict = {}   # files' (path, inode, mtime, size) -> their parsed items: 
 def _files_stamp(files:list[Path])->tuple|None:
     "What identifies the files' contents without reading them; None when one cannot be stat'ed (then nothing is cached)"
     try: return tuple((str(f.resolve()), (st := f.stat()).st_ino, st.st_mtime_ns, st.st_size) for f in files)
-    except OSError: return None
+    except (OSError, RuntimeError): return None        # RuntimeError: a symlink loop (pathlib's resolve)
 
 # %% ../../nbs/items/03_release.ipynb #2a54137f
 def fingerprint(items:list[Item])->str:

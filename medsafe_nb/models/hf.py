@@ -431,36 +431,82 @@ def _prefill(self:HFBackend, row:list[int])->tuple|None:
                                                             for l in layers): return None
     return out.logits[0, -1].argmax().item(), cache
 
+# %% ../../nbs/models/07_hf.ipynb #a7c1e0d1
+import functools
+
+@functools.cache
+def _reply_cache_layer():
+    "The class `_reply_cache` fills (made on first use: transformers is imported only when a model runs)"
+    import torch
+    from transformers.cache_utils import DynamicLayer
+    class ReplyCacheLayer(DynamicLayer):
+        "One layer's keys and values in a buffer with room for the whole reply: a decoding step writes its token in place"
+        def __init__(self, keys, values, filled:int):
+            super().__init__()
+            self._k, self._v, self._n = keys, values, filled
+            self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
+            self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
+        def update(self, key_states, value_states, *args, **kwargs):
+            n, t = self._n, key_states.shape[-2]
+            if n + t > self._k.shape[-2]:                 # past the room planned: grow (not reached by `_greedy_batch`)
+                more = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], max(t, x.shape[2]), x.shape[3])], 2)
+                self._k, self._v = more(self._k), more(self._v)
+            self._k[:, :, n:n+t], self._v[:, :, n:n+t] = key_states, value_states
+            self._n = n + t
+            self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+            return self.keys, self.values
+        def get_seq_length(self)->int: return self._n
+    return ReplyCacheLayer
+
+
+# %% ../../nbs/models/07_hf.ipynb #a7c1e0d2
+@patch
+def _reply_cache(self:HFBackend, rows:list, caches:list, room:int):
+    "One cache for a batch: each prompt's own cache left-padded (zeros) into buffers with `room` free positions"
+    from transformers import DynamicCache
+    n, B, Layer = max(map(len, rows)), len(rows), _reply_cache_layer()
+    layers = []
+    for l in range(len(caches[0].layers)):
+        k0, v0 = caches[0].layers[l].keys, caches[0].layers[l].values
+        K, V = k0.new_zeros(B, k0.shape[1], n + room, k0.shape[3]), v0.new_zeros(B, v0.shape[1], n + room, v0.shape[3])
+        for j, (r, c) in enumerate(zip(rows, caches)):
+            K[j, :, n - len(r):n], V[j, :, n - len(r):n] = c.layers[l].keys[0], c.layers[l].values[0]
+        layers.append(Layer(K, V, n))
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
+
+
 # %% ../../nbs/models/07_hf.ipynb #ab617c15
 @patch
 def _greedy_batch(self:HFBackend, batch:list, enc:list, cap:int)->list|None:
-    "Greedy replies: each prompt prefilled alone, the caches left-padded into one, decoded together (None: use `generate`)"
+    "Greedy replies: each prompt prefilled alone, the caches left-padded into one with room for the replies, decoded together (None: use `generate`)"
     import torch
-    from transformers import DynamicCache
     t0 = time.perf_counter()
     pre = [self._prefill(enc[i]) for i in batch]
     if any(p is None for p in pre): return None
     rows, B = [enc[i] for i in batch], len(batch)
-    n, pad = max(map(len, rows)), torch.nn.functional.pad
-    stack = lambda part: torch.cat([pad(part(c), (0, 0, n - len(r), 0)) for r, (_, c) in zip(rows, pre)])
-    cache = DynamicCache([(stack(lambda c: c.layers[l].keys), stack(lambda c: c.layers[l].values)) for l in range(len(pre[0][1].layers))])
+    n = max(map(len, rows))
+    cache = self._reply_cache(rows, [c for _, c in pre], cap)
     eos, arg = self._eos_ids(), "cache" if "cache" in self._forward_args else "past_key_values"
     out, done = [[t] for t, _ in pre], [t in eos for t, _ in pre]
     del pre
-    mask = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in rows], device=self.device)
+    mask = torch.zeros(B, n + cap, dtype=torch.long, device=self.device)
+    for j, r in enumerate(rows): mask[j, n - len(r):n] = 1
     pos = torch.tensor([[len(r)] for r in rows], device=self.device)
     kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
-    for _ in range(1, cap):
+    for s in range(1, cap):
         if all(done): break
-        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        mask[:, n + s - 1] = 1
         with torch.inference_mode():
-            logits = self.lm(input_ids=torch.tensor([[r[-1]] for r in out], device=self.device), attention_mask=mask,
+            logits = self.lm(input_ids=torch.tensor([[r[-1]] for r in out], device=self.device), attention_mask=mask[:, :n + s],
                              position_ids=pos, use_cache=True, **{arg: cache}, **kw).logits[:, -1]
         for j, t in enumerate(logits.argmax(-1).tolist()):
             t = self.pad_id if done[j] else t               # a finished reply is padded, as `generate` does
             out[j].append(t); done[j] = done[j] or t in eos
         pos = pos + 1
     return self._results(batch, enc, out, (time.perf_counter() - t0) / B)
+
 
 # %% ../../nbs/models/07_hf.ipynb #6a22f22e
 @patch

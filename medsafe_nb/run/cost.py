@@ -248,10 +248,13 @@ def estimate_run(cfg:RunConfig,          # the run
     structured = False if cfg.prompt != "paper" else (schema_ok if cfg.structured is None else cfg.structured)
     mitigation = "warning" if "warning" in cfg.mitigation else "none"
     prompts = build_prompts(items, cfg.conditions, seed=cfg.seed, mitigation=mitigation, prompt=cfg.prompt, structured=structured)
+    index = [None] if (cfg.samples or 1) == 1 else list(range(cfg.samples))   # K samples: K requests per prompt, as the run asks
+    asked = [(p, s) for p in prompts for s in index]
+    prompts = [p for p, _ in asked]
     split = {it.id: it.split for it in items}
     w = [weight[split[p.item_id]] if weight else 1.0 for p in prompts]
     generate = cfg.scoring == "generate"
-    reqs = [GenRequest(p.messages, cfg.max_new_tokens, response_schema=p.response_schema, parts=p.parts) for p in prompts]
+    reqs = [GenRequest(p.messages, cfg.max_new_tokens, response_schema=p.response_schema, parts=p.parts, sample=s) for p, s in asked]
     missing = [True] * len(prompts)
     if backend is not None and weight is None:
         keys = [request_key(backend.identity(), "generate", request_payload(r)) for r in reqs]

@@ -129,7 +129,8 @@ def ledger_damage(path:str|os.PathLike, # an existing SQLite file
     "Read-only integrity check of a SQLite file (`PRAGMA quick_check`): what is wrong with it, or None"
     path = Path(path).resolve()
     wal = Path(f"{path}-wal").exists()              # a live write-ahead log is read with the file; without one, nothing is created beside it
-    if (cut := _truncation(path)): return cut
+    has_frames = wal and Path(f"{path}-wal").stat().st_size > 0
+    if not has_frames and (cut := _truncation(path)): return cut   # with a live log, pages past the file's end sit in the log
     try:
         con = sqlite3.connect(path.as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1"), uri=True, timeout=5)
         con.text_factory = lambda b: b.decode("utf-8", "replace")       # damage can put any bytes in the report
