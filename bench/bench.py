@@ -7,22 +7,24 @@ rule, `hf_plan.auto_dtype`), with bf16 as the opt-in (`--model-args dtype=bfloat
 interleave the methods, so a slow moment of this shared machine hits all of them; the table shows medians over the
 rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
 
-- scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults, at its previous
-  default (batch 8), a naive loop (one full forward per prompt), and lm-eval's HFLM loglikelihood (batch 1, its
+- scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults, at batch 1, at its
+  previous default (batch 8), a naive loop (one full forward per prompt), and lm-eval's HFLM loglikelihood (batch 1, its
   default) in the side venv `.venv-harness` (`make harness-env`), and the toolkit with the bf16 opt-in, each against
   the matmul peak of the precision it computes in, measured in each round (MFU = model FLOPs of the prompts / time /
   peak);
 - generation (greedy, `--new-tokens` tokens): the toolkit against a naive per-prompt `generate` and against the
   job's roofline (prefill at the matmul peak, each decoding step of one batch of all prompts at the larger of its
   FLOPs at the peak and its bytes at the memory bandwidth measured in each round);
+- end to end, `medsafe run --scoring logprob --limit --e2e-limit` as a user types it (a fresh folder each time, the
+  model's load included): the defaults against `--batch-size 1`, with their answers and p_gold compared;
 - the OpenAI-compatible client against minimal asyncio clients on the same HTTP library (httpx2, the peer the targets
   name) and on httpx, and the ideal, on a local server answering after 50 ms, at concurrency 1-256: requests/s and
-  client CPU per request;
+  client CPU per request (at least `API_ROUNDS` rounds);
 - vLLM (`.venv-vllm`, `make vllm`) against the in-process backend on the same model;
 - with `--scale`, the paper-scale verbs (`bench/bench_scale.py`: metrics, report, show, review export and a resumed
   run's ledger on 360,756 rows), its table printed after this one.
 
-    .venv/bin/python bench/bench.py [--rounds 3] [--threads N] [--skip vllm,hflm,api,bf16] [--scale]
+    .venv/bin/python bench/bench.py [--rounds 3] [--threads N] [--skip vllm,hflm,e2e,api,bf16] [--scale]
 
 Nothing is asserted. On a loaded machine pass --threads 1 (OpenMP threads spin-waiting for a descheduled sibling
 make small matrix products many times slower); the load average is printed.
@@ -32,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 med = statistics.median
+API_ROUNDS = 5   # the API part takes seconds a round, and one slow moment moves a median of two: at least five rounds
 
 
 def matmul_peak(dtype, n=1024, seconds=0.3)->float:
@@ -64,15 +67,17 @@ class Shape:
         self.kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
         self.params = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
         self.weight_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+        out, inp = lm.get_output_embeddings().weight, lm.get_input_embeddings().weight
+        if out is inp: self.weight_bytes += out.numel() * out.element_size()   # a tied output matrix: listed once, as the embedding, but read every step
 
     def prefill(self, n:int)->float:
         "FLOPs to read a prompt of n tokens and predict the next one (causal attention, one row of logits)"
         return 2 * self.params * n + 2 * self.layers * n * n * self.d + 2 * self.d * self.vocab
 
     def roofline(self, lengths:list, new:int, peak:float, bandwidth:float)->float:
-        "Seconds at best: prefill at the peak, then `new` steps of one batch of all prompts"
+        "Seconds at best: prefill at the peak (it yields the first new token), then `new - 1` steps of one batch of all prompts"
         t = sum(self.prefill(n) for n in lengths) / peak
-        for s in range(new):
+        for s in range(1, new):
             ctx = [n + s for n in lengths]
             flops = sum(2 * self.params + 4 * self.layers * c * self.d + 2 * self.d * self.vocab for c in ctx)
             byts = self.weight_bytes + sum(c * self.layers * 2 * self.kv * 4 for c in ctx)
@@ -130,7 +135,8 @@ def naive_generate(lm, tok, texts, new):
         ids = tok(text, return_tensors="pt", add_special_tokens=False)
         with torch.inference_mode():
             row = lm.generate(**ids, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.input_ids.shape[1]:]
-        eos = set(lm.generation_config.eos_token_id or [])
+        eos = lm.generation_config.eos_token_id
+        eos = {eos} if isinstance(eos, int) else set(eos or [])
         stop = next((j for j, t in enumerate(row.tolist()) if t in eos), None)
         out.append(tok.decode(row[:stop], skip_special_tokens=True).strip())
     return out
@@ -219,9 +225,10 @@ def main():
     ap.add_argument("--gen-prompts", type=int, default=24, help="prompts per generation call")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per generated reply")
     ap.add_argument("--concurrency", default="1,4,16,64,256", help="API concurrency levels")
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: hflm, api, vllm, bf16")
+    ap.add_argument("--e2e-limit", type=int, default=12, help="items of the end-to-end `medsafe run --scoring logprob` (x 3 conditions)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: hflm, e2e, api, vllm, bf16")
     ap.add_argument("--scale", action="store_true", help="also run bench/bench_scale.py (the verbs on 360,756 rows; minutes) and print its table")
-    args = ap.parse_args()
+    args, _ = ap.parse_known_args()                           # `make bench` passes bench_real.py's options too
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.perf_counter()
     import torch
@@ -232,6 +239,7 @@ def main():
     score_msgs, gen_msgs = msgs[:args.prompts], msgs[:args.gen_prompts]
     fast = HFBackend(str(model), max_new_tokens=args.new_tokens)          # the defaults
     old = HFBackend(str(model), batch_size=8, max_new_tokens=args.new_tokens)   # the previous default
+    one = HFBackend(str(model), batch_size=1, max_new_tokens=args.new_tokens)   # the plan the defaults must never lose to
     bf16 = HFBackend(str(model), dtype="bfloat16", max_new_tokens=args.new_tokens) if "bf16" not in skip and fast.dtype != "bfloat16" else None
     lm, tok, shape = fast.lm, fast.tokenizer, Shape(fast.lm)
     score_reqs = [ScoreRequest(m, it.keys) for it, m in score_msgs]
@@ -254,11 +262,12 @@ def main():
             except Exception as e: print(f"lm-eval HFLM: not measured ({e}); run `make harness-env`")
         else: print("lm-eval HFLM: not measured: no .venv-harness (run `make harness-env`)")
 
-    R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b8", "score_naive", "score_hflm", "score_bf16", "gen", "gen_naive")}
+    R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b1", "score_b8", "score_naive", "score_hflm", "score_bf16", "gen", "gen_naive")}
     answers, texts_out = {}, {}
     for r in range(args.rounds):
         R["peak_bf16"].append(matmul_peak(torch.bfloat16)); R["bw"].append(memory_bandwidth())
         runs = [("score", lambda: best_keys(dict(fast.score(score_reqs)))),
+                ("score_b1", lambda: best_keys(dict(one.score(score_reqs)))),
                 ("score_b8", lambda: best_keys(dict(old.score(score_reqs)))),
                 ("score_naive", lambda: naive_score(lm, tok, texts, keys))]
         if hflm: runs.append(("score_hflm", hflm.run))
@@ -279,7 +288,7 @@ def main():
     flops = sum(shape.prefill(n) for n in lengths)
     rows = []
     ref = med(R["score_hflm"]) if R["score_hflm"] else None
-    for key, label in (("score", "toolkit, defaults (auto batch)"), ("score_b8", "toolkit, batch 8 (previous default)"),
+    for key, label in (("score", "toolkit, defaults (auto batch)"), ("score_b1", "toolkit, batch 1"), ("score_b8", "toolkit, batch 8 (previous default)"),
                        ("score_naive", "naive loop (full forward per prompt)"), ("score_hflm", "lm-eval HFLM loglikelihood, bs 1"),
                        ("score_bf16", "toolkit, dtype=bfloat16 (opt-in)")):
         if not R[key]: continue
@@ -300,7 +309,8 @@ def main():
     print(f"  peak fp32 {peak / 1e9:.0f} GFLOP/s (median sample {med(R['peak']) / 1e9:.0f}), bf16 {max(R['peak_bf16']) / 1e9:.0f} GFLOP/s, memory {bw / 1e9:.1f} GB/s "
           f"(roofline of the generation job: {gen_bound:.2f} s)", flush=True)
 
-    if "api" not in skip: rows += bench_api([int(c) for c in args.concurrency.split(",")], args.rounds)
+    if "e2e" not in skip: rows += bench_e2e(model, args.rounds, args.e2e_limit)
+    if "api" not in skip: rows += bench_api([int(c) for c in args.concurrency.split(",")], max(args.rounds, API_ROUNDS))
     if "vllm" not in skip: rows += bench_vllm(model, fast, score_reqs, gen_reqs, args.rounds)
     print()
     print(table(rows))
@@ -311,6 +321,30 @@ def main():
     print(f"\n(medians of interleaved rounds; bounds measured in this run, the best of all samples: fp32 matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s (bf16 {max(R['peak_bf16']) / 1e9:.0f}), memory bandwidth {bw / 1e9:.1f} GB/s; "
           f"{torch.get_num_threads()} thread(s); {time.perf_counter() - t_start:.0f} s in all)")
+
+
+def bench_e2e(model, rounds, limit):
+    "`medsafe run --scoring logprob --limit N` as a user types it (model load included), defaults against --batch-size 1"
+    import pandas as pd
+    tmp = Path(tempfile.mkdtemp(prefix="medsafe-bench-e2e-"))
+    R, got = {"auto": [], "1": []}, {}
+    for r in range(rounds):
+        for b in (("auto", "1") if r % 2 == 0 else ("1", "auto")):
+            out = tmp / f"run-{b}-{r}"                        # a fresh folder and ledger: every prompt is computed
+            cmd = [str(Path(sys.executable).parent / "medsafe"), "run", "--model", f"hf:{model}", "--scoring", "logprob",
+                   "--limit", str(limit), "--out", str(out), "--no-progress", *(["--batch-size", "1"] if b == "1" else [])]
+            t0 = time.perf_counter(); p = subprocess.run(cmd, capture_output=True, text=True); dt = time.perf_counter() - t0
+            if p.returncode: print(f"end to end ({b}): exit {p.returncode}: {p.stderr[-300:]}"); return []
+            R[b].append(dt)
+            got.setdefault(b, pd.read_parquet(out / "predictions.parquet").sort_values(["item_id", "condition"]))
+    a, o = got["auto"], got["1"]
+    same = int((a.pred.fillna("").to_numpy() == o.pred.fillna("").to_numpy()).sum())
+    diff = float((a.p_gold - o.p_gold).abs().max()) if "p_gold" in a else float("nan")
+    n = len(a)
+    return [(f"end to end, `medsafe run --scoring logprob --limit {limit}` ({n} prompts)", "defaults (auto batch)",
+             f"{med(R['auto']):.1f} s", f"{med(R['1']) / med(R['auto']):.2f}x batch 1 (target >= 1.00), answers {same}/{n}, "
+             f"max |dp_gold| {diff:.1e}", ""),
+            (f"end to end, `medsafe run --scoring logprob --limit {limit}` ({n} prompts)", "--batch-size 1", f"{med(R['1']):.1f} s", "", "")]
 
 
 def bench_api(levels, rounds, delay=0.05):

@@ -10,7 +10,7 @@ httpx client is shown beside it.
 
     python bench/bench_api.py [--delay 0.05] [--rounds 5] [--concurrency 1,4,16,64,256]
 """
-import argparse, asyncio, importlib, statistics, subprocess, sys, time
+import argparse, asyncio, importlib, os, statistics, subprocess, sys, time
 
 from medsafe_nb.models.openai import OpenAIBackend
 from medsafe_nb.models.base import GenRequest
@@ -65,7 +65,7 @@ def measure(url, levels, rounds):
             for k in keys:
                 dt, cpu = cpu_timed(lambda: CLIENTS[k][1](url, n, c))
                 R[c, k].append((n / dt, cpu / n))
-        print(f"  round {r + 1}/{rounds} done", flush=True)
+        print(f"  round {r + 1}/{rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     return R
 
 
@@ -81,11 +81,13 @@ def main():
     try:
         url = server.stdout.readline().split(" at ")[1].split(" ")[0]
         for _, fn in CLIENTS.values(): fn(url, 4, 2)                     # warm up: imports, first connections
+        load0 = os.getloadavg()[0]
         R = measure(url, levels, args.rounds)
     finally:
         server.terminate(); server.wait(10)
     med = lambda xs: statistics.median(xs)
-    print(f"\nOpenAI-compatible client, server latency {args.delay * 1000:.0f} ms; medians of {args.rounds} interleaved rounds")
+    print(f"\nOpenAI-compatible client, server latency {args.delay * 1000:.0f} ms; medians of {args.rounds} interleaved rounds; "
+          f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} cores")
     print(f"| concurrency | client | req/s | CPU ms/req | req/s vs minimal httpx / httpx2 | CPU vs minimal httpx / httpx2 | of ideal |")
     print(f"| --- | --- | --- | --- | --- | --- | --- |")
     for c in levels:

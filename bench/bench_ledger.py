@@ -6,7 +6,8 @@ import hashlib, random, sys, tempfile, time
 from pathlib import Path
 
 from medsafe_nb.models.base import Backend, GenRequest, Generation
-from medsafe_nb.run.ledger import Ledger, cached_generate, canonical_json, request_payload, _key, _dump, _now
+from medsafe_nb.core import utc_now
+from medsafe_nb.run.ledger import Ledger, cached_generate, canonical_json, request_payload, _key, _dump
 
 IDENTITY = {"kind": "bench", "model": "instant", "temperature": 0, "max_new_tokens": 2048}
 SYSTEM = "You are a medical expert. Answer the multiple-choice question. " * 4   # ~250 characters, like the real prompts
@@ -35,7 +36,7 @@ def rows_for(reqs):
     out = []
     for r in reqs:
         p = canonical_json(request_payload(r))
-        out.append((_key(ident, "generate", p), "generate", "instant", ident, p, res, _now()))
+        out.append((_key(ident, "generate", p), "generate", "instant", ident, p, res, utc_now()))
     return out
 
 

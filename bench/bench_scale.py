@@ -125,7 +125,7 @@ def build(root:Path, n_items:int, n_runs:int)->tuple[list[Path], Path]:
 
 
 # --- timing -------------------------------------------------------------------------------------------------------
-def verb(args:list, cwd:Path)->tuple[float, float, int, str]:
+def verb(args:list, cwd:Path)->tuple[float, float, int, str, float]:
     "(wall seconds, peak RSS in MB, exit code, last output line, CPU seconds) of one `medsafe` command in its own process"
     t0 = time.perf_counter()
     p = subprocess.Popen([str(MEDSAFE)] + [str(a) for a in args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -253,9 +253,9 @@ def main():
             rows.append((f"ledger: resumed, all {n:,} cached", f"{dt:.1f} s ({cpu:.1f} s CPU; {found:,} found, none asked)", "<= 10 s", dt <= 10 and found == n))
             from medsafe_nb.run.runner import run
             register_backend("scale", lambda name, **o: ScaleBackend(name, **o))     # a rerun asks nothing: the backend never answers
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             again = run(model="scale:model-00", data=str(release), out=str(dirs[0]), ledger=str(root / "ledger.sqlite"), progress=False)
-            rows.append(("resumed `run()` of one configuration", f"{time.perf_counter() - t0:.1f} s for {len(again):,} rows", "", None))
+            rows.append(("resumed `run()` of one configuration", f"{time.perf_counter() - t0:.1f} s ({time.process_time() - c0:.1f} s CPU) for {len(again):,} rows", "", None))
     finally:
         if not args.keep: shutil.rmtree(root, ignore_errors=True)
     print(f"\nPaper scale: {args.runs} runs x {args.items:,} items x 3 conditions" + (" (--quick: not the paper's size)" if args.quick else ""))
@@ -263,6 +263,8 @@ def main():
     print(f"| {'verb':<{w}} | measured | target | met |\n| {'-' * w} | --- | --- | --- |")
     for v, fig, target, met in rows:
         print(f"| {v:<{w}} | {fig} | {target} | {'' if met is None else ('yes' if met else 'NO')} |")
+    print("\nload average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
+          " (a shared machine: the CPU seconds are what each verb itself used)")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import hashlib, os, re, tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit, parse_qsl, urlencode
 
 # %% auto #0
@@ -16,8 +16,8 @@ __all__ = ['SPLITS', 'CONDITIONS', 'EXTRA_CONDITIONS', 'CONTROL_CONDITIONS', 'AL
            'SECRET_NAMES', 'SECRET_ENV', 'MANIFEST', 'STOP', 'MedsafeError', 'ConfigError', 'AnalysisError',
            'SchemaError', 'LabelError', 'ValidationErrors', 'search_spec_problem', 'stable_hash', 'is_int', 'utc_now',
            'repo_root', 'DiskFull', 'atomic_write', 'strip_think', 'find_secret', 'secret_env_values', 'scrub_secrets',
-           'safe_url', 'file_sha256', 'write_manifest', 'check_manifest', 'clean_stale_tmp', 'LockedError',
-           'exclusive_lock', 'RunStopped', 'StopRequest']
+           'secret_scrubber', 'safe_url', 'file_sha256', 'write_manifest', 'check_manifest', 'clean_stale_tmp',
+           'LockedError', 'exclusive_lock', 'RunStopped', 'StopRequest']
 
 # %% ../nbs/00_core.ipynb #0efe9831
 class MedsafeError(Exception):
@@ -241,13 +241,19 @@ def secret_env_values()->list[str]:
 
 def scrub_secrets(text:str,       # any text: an error message, a log line, a reply
                   secrets=(),     # literal secret values to remove as well (e.g. the key in use)
+                  env:bool=True,  # also the values of secret environment variables, read now (False: `secrets` holds them)
                  )->str:          # the text with secrets replaced by ***
     "Remove API keys, credential-shaped strings and the values of secret environment variables from `text`"
     text = str(text)
-    for s in (*secrets, *secret_env_values()):
+    for s in (*secrets, *(secret_env_values() if env else ())):
         if s and len(s) >= 4: text = text.replace(s, "***")
     for pat, rep in _SCRUB: text = pat.sub(rep, text)
     return text
+
+def secret_scrubber(secrets=())->Callable[[str], str]:
+    "`scrub_secrets` with the secret environment values read once: for the many texts of one pass (a run's rows)"
+    held = (*secrets, *secret_env_values())
+    return lambda text: scrub_secrets(text, held, env=False)
 
 # %% ../nbs/00_core.ipynb #1883985d
 _CRED_PARAM = re.compile(r"(?i)(api[_-]?key|apikey|key|token|access[_-]?token|secret|password|passwd|sig|signature|auth)")

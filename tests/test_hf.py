@@ -218,3 +218,17 @@ def test_generation_config_with_a_penalty_goes_through_generate(tmp_path, tiny_m
     assert auto._decouple is False and HFBackend(str(tiny_model_dir))._decouple is True
     reqs = [GenRequest(m) for m in messages(("clean",))]
     assert {i: g.text for i, g in auto.generate(reqs)} == {i: g.text for i, g in one.generate(reqs)}
+
+
+def test_sampled_run_resumed_draws_what_an_uninterrupted_run_draws(tmp_path, tiny_model_dir):
+    "--samples 2 --temperature 1 in-process: a run stopped after some items and resumed writes the replies of one run straight through"
+    from medsafe_nb.run.runner import run
+    common = dict(model=f"hf:{tiny_model_dir}", samples=2, temperature=1.0, max_new_tokens=8, progress=False)
+    whole = run(out=str(tmp_path / "whole"), limit=4, **common)
+    run(out=str(tmp_path / "part"), limit=2, **common)                         # the first items, then the run stops
+    resumed = run(out=str(tmp_path / "part"), limit=4, **common)               # the same folder and ledger: the rest is asked
+    cols = ["item_id", "condition", "sample", "raw", "pred"]
+    key = ["item_id", "condition", "sample"]
+    a, b = (d[cols].sort_values(key).reset_index(drop=True) for d in (whole, resumed))
+    pd.testing.assert_frame_equal(a, b)
+    assert a.groupby(["item_id", "condition"]).raw.nunique().max() == 2   # the two samples of a prompt differ

@@ -290,3 +290,102 @@ def test_condition_metrics_extra_conditions():
     assert cm.loc["type1_all", "asr"] == pytest.approx(100 / 3)
     assert cm.loc["type1_all", "tasr"] == pytest.approx(100 / 3)
     assert "type1_all" not in set(mcnemar_table(pd.concat([p, extra]), conditions=("type1", "type1_all")).condition_b)
+
+
+# ---- the Mean over distinct models: derived rows, scorings of one checkpoint, controls ----
+
+def _records(params):
+    "The run.json record of each model of a params file (as `medsafe run` writes it: model_spec and the RunConfig fields), by label"
+    from medsafe_nb.run.params import load_params
+    out = {}
+    for e in load_params(params).models:
+        rec = e.config.record()
+        out[e.label] = {"model_spec": rec.pop("model"), **rec}
+    return out
+
+
+def _scored(models, seed=5, controls=(), configurations=None):
+    "Predictions of `models` (the first one option-scored, with pred_norm), controls marked, type2_shuffled from type2"
+    p = demo_predictions(60, models=(*models, *controls), seed=seed)
+    opt = p.model == models[0]
+    flip = opt & (np.arange(len(p)) % 3 == 0)                 # acc_norm answers differ from acc on a third of the rows
+    p["pred_norm"] = np.where(opt, np.where(flip, p.gold, p.pred), None)
+    p["correct_norm"] = np.where(opt, p.pred_norm == p.gold, None)
+    p["language_model"] = ~p.model.isin(controls)
+    if configurations is not None: p["configuration"] = p.model.map(configurations)
+    shuffled = p[p.condition == "type2"].assign(condition="type2_shuffled")
+    return pd.concat([p, shuffled], ignore_index=True)
+
+
+def _means(t):
+    return t[t.model.str.startswith("Mean")]
+
+
+def test_one_checkpoint_under_two_scorings_has_no_mean():
+    "The demo's shape: smollm2 scored two ways, its acc_norm row and a control are one language model: no Mean anywhere"
+    from medsafe_nb.metrics.paper import cross_breakdown, derived_models, mean_models, run_configuration
+    from medsafe_nb.metrics.io import metrics_tables, with_acc_norm
+    from medsafe_nb.figures.tables import shuffled_accuracy
+    recs = _records("demo")
+    conf = {label: run_configuration(r) for label, r in recs.items()}
+    assert conf["smollm2 (options)"] == conf["smollm2 (letter)"] == "smollm2"
+    assert recs["smollm2 (options)"]["scoring"] != recs["smollm2 (letter)"]["scoring"]
+    raw = _scored(("smollm2 (options)", "smollm2 (letter)"), controls=("minilm (non-LLM baseline)",), configurations=conf)
+    p = with_acc_norm(raw)
+    assert list(dict.fromkeys(p.model)) == ["smollm2 (options)", "smollm2 (options) [acc_norm]", "smollm2 (letter)", "minilm (non-LLM baseline)"]
+    assert derived_models(p) == ["smollm2 (options) [acc_norm]"] and mean_models(p) == ["smollm2 (options)"]
+    t1 = table1(p, n_boot=50, mean_row=True)
+    assert t1.model.tolist() == list(dict.fromkeys(p.model)) and _means(t1).empty
+    assert _means(breakdowns(p, mean_row=True)).empty and _means(cross_breakdown(p)).empty
+    assert _means(shuffled_accuracy(p, n_boot=0)).empty
+    tables = metrics_tables(raw, n_boot=0)                    # as `medsafe metrics` builds them: it adds the acc_norm row itself
+    assert tables["table1"].model.tolist() == t1.model.tolist()
+    assert _means(tables["table1"]).empty and _means(tables["breakdowns"]).empty
+
+
+def test_without_configuration_the_derived_row_stays_out():
+    "A table that does not say which runs share a checkpoint counts each name once, and never the acc_norm row"
+    from medsafe_nb.metrics.io import with_acc_norm
+    p = with_acc_norm(_scored(("a (options)", "b"), controls=("control",)))
+    t1 = table1(p, n_boot=0, mean_row=True).set_index("model")
+    assert t1.index[-1] == "Mean (language models)"
+    assert t1.loc["Mean (language models)", "type1_asr"] == pytest.approx(t1.loc[["a (options)", "b"], "type1_asr"].mean())
+    assert t1.loc["Mean (language models)", "clean_acc"] != pytest.approx(t1.loc[["a (options)", "a (options) [acc_norm]", "b"], "clean_acc"].mean())
+
+
+def test_two_models_with_scorings_and_controls_mean_over_the_two():
+    "Two distinct models (one also letter-scored, with its acc_norm row) and two controls: the Mean is over the two"
+    from medsafe_nb.metrics.paper import cross_breakdown, mean_models
+    from medsafe_nb.metrics.io import with_acc_norm
+    from medsafe_nb.figures.tables import shuffled_accuracy
+    conf = {"a (options)": "a", "a (letter)": "a", "b": "b"}
+    p = with_acc_norm(_scored(("a (options)", "a (letter)", "b"), controls=("minilm", "shortcut:longest"), configurations=conf))
+    assert mean_models(p) == ["a (options)", "b"]
+    t1 = table1(p, n_boot=100, mean_row=True)
+    mean, two = t1.iloc[-1], t1.set_index("model").loc[["a (options)", "b"]]
+    assert mean.model == "Mean (language models)" and len(t1) == p.model.nunique() + 1
+    for m in ("clean_acc", "type1_acc", "type2_acc", "type1_asr", "type1_tasr", "type2_asr"):
+        assert mean[m] == pytest.approx(two[m].mean()), m
+    assert mean.n_clean_correct == two.n_clean_correct.sum()
+    bd = breakdowns(p, mean_row=True, dimensions=("provenance",)).set_index(["model", "category_key"]).type1_asr
+    assert bd["Mean (language models)"].to_dict() == pytest.approx(((bd["a (options)"] + bd["b"]) / 2).to_dict(), nan_ok=True)
+    cb = cross_breakdown(p)
+    assert set(cb.model) == set(p.model) | {"Mean (language models)"}
+    sh = shuffled_accuracy(p, n_boot=0).set_index("model")
+    assert sh.loc["Mean (language models)", "type2_shuffled_acc"] == pytest.approx(sh.loc[["a (options)", "b"], "type2_shuffled_acc"].mean())
+
+
+def test_paper_configurations_keep_their_mean():
+    "The paper's 11 configurations (efforts of one checkpoint included) stay 11 models: the Mean is as without the column"
+    from medsafe_nb.metrics.paper import mean_models, run_configuration
+    recs = _records("paper")
+    conf = {label: run_configuration(r) for label, r in recs.items()}
+    assert len(conf) == 11 and len(set(conf.values())) == 11
+    assert conf["Gemini-3.1-pro (high)"] != conf["Gemini-3.1-pro (low)"]
+    p = demo_predictions(60, models=tuple(conf), seed=2)
+    with_conf = p.assign(configuration=p.model.map(conf), language_model=True)
+    assert mean_models(with_conf) == list(conf)
+    t1 = table1(with_conf, n_boot=100, mean_row=True)
+    pd.testing.assert_frame_equal(t1, table1(p, n_boot=100, mean_row=True))
+    assert t1.model.iloc[-1] == "Mean" and t1.type1_asr.iloc[-1] == pytest.approx(t1.type1_asr.iloc[:-1].mean())
+    pd.testing.assert_frame_equal(breakdowns(with_conf, mean_row=True), breakdowns(p, mean_row=True))

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.integration   # a real model on the CPU: `make test-int
 
 CONDITIONS = ("clean", "type1", "type1_true", "type1_placebo")
 VLLM_P_TOL = 0.01   # P(gold) over the option keys: vLLM's CPU kernels and transformers' float32 differ in rounding, not in the model
+VLLM_LOGP_TOL = 1e-3  # an option text's summed log-probability (nats; measured: 5.4e-5 at most over 38 options of 4 items)
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +124,14 @@ def vllm_python_or_skip()->str:
 
 def test_vllm_serves_the_cached_copy_and_agrees(smollm2_checkpoint, items, tmp_path):
     """`--engine vllm` on the cached safetensors copy (float32): the same greedy texts as in-process, the same letter
-    answers, and P(gold) over the option keys within VLLM_P_TOL"""
+    answers, P(gold) over the option keys within VLLM_P_TOL, and every option text's summed log-probability
+    (`--scoring options`) within VLLM_LOGP_TOL, with the same acc and acc_norm answers"""
     py = vllm_python_or_skip()
     from medsafe_nb.models.hf import HFBackend
     from medsafe_nb.models.vllm import vllm_backend
     from medsafe_nb.run.runner import run_benchmark
+    from medsafe_nb.models.base import ScoreRequest
+    from medsafe_nb.protocols import build_prompts
     local = HFBackend(str(smollm2_checkpoint.folder), max_new_tokens=16, dtype="float32")
     served = vllm_backend(f"hf:{smollm2_checkpoint.folder}", tmp_path, model_args={"dtype": "float32", "max_model_len": 2048},
                           vllm_python=py, max_new_tokens=16)
@@ -136,6 +140,12 @@ def test_vllm_serves_the_cached_copy_and_agrees(smollm2_checkpoint, items, tmp_p
                  for name, b in (("vllm", served), ("inprocess", local))}
         scores = {name: run_benchmark(items, b, ["clean", "type1"], scoring="logprob", progress=False)
                   for name, b in (("vllm", served), ("inprocess", local))}
+        prompts = build_prompts(items, ["clean", "type1"])
+        by_id = {it.id: it for it in items}
+        reqs = [ScoreRequest(p.messages, p.keys, prefix="", continuations=tuple(by_id[p.item_id].options[k] for k in p.keys)) for p in prompts]
+        options = {name: dict(b.score(reqs)) for name, b in (("vllm", served), ("inprocess", local))}
+        opt_runs = {name: run_benchmark(items, b, ["clean", "type1"], scoring="options", progress=False)
+                    for name, b in (("vllm", served), ("inprocess", local))}
     finally:
         served.close(); local.close()
     assert texts["vllm"] == texts["inprocess"]
@@ -145,3 +155,13 @@ def test_vllm_serves_the_cached_copy_and_agrees(smollm2_checkpoint, items, tmp_p
         assert abs(a.p_gold - b.p_gold) <= VLLM_P_TOL, (a.item_id, a.p_gold, b.p_gold)
         compared += 1
     assert compared == 2 * len(items)
+    worst = 0.0
+    for i in range(len(reqs)):
+        a, b = options["vllm"][i], options["inprocess"][i]
+        assert not a.error and not b.error and a.logprobs.keys() == b.logprobs.keys()
+        for k in a.logprobs:
+            assert abs(a.logprobs[k] - b.logprobs[k]) <= VLLM_LOGP_TOL, (prompts[i].item_id, k, a.logprobs[k], b.logprobs[k])
+            worst = max(worst, abs(a.logprobs[k] - b.logprobs[k]))
+    print(f"option log-probabilities, vLLM against in-process: largest difference {worst:.2e} over {sum(len(r.candidates) for r in reqs)} options")
+    cols = ["item_id", "condition", "pred", "pred_norm"]
+    assert opt_runs["vllm"][cols].equals(opt_runs["inprocess"][cols])

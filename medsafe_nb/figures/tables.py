@@ -14,7 +14,7 @@ from matplotlib.lines import Line2D
 
 from ..core import CONDITIONS
 from ..metrics.core import bootstrap_ci, SHOWN_METRICS, shown_metrics
-from ..metrics.paper import table1, breakdowns, language_models
+from ..metrics.paper import table1, breakdowns, mean_models
 from ..metrics.io import read_predictions
 from ..tables import write_table, markdown_table
 from .plots import category_key, plot_accuracy_by_condition, CONDITION_COLORS
@@ -22,10 +22,11 @@ from ..run.params import Params, ModelRun
 from ..models.base import model_spec
 
 # %% auto #0
-__all__ = ['TABLE1_VALUES', 'BREAKDOWN_VALUES', 'SHUFFLED_METRICS', 'SHUFFLED_VALUES', 'MEAN_NOTE', 'NO_MEAN_NOTE', 'read_runs',
-           'run_table1', 'run_breakdowns', 'table1_side_by_side', 'with_intervals', 'write_side_by_side',
-           'breakdowns_side_by_side', 'write_breakdowns', 'shuffled_accuracy', 'plot_accuracy_with_shuffled',
-           'summary_table', 'model_note', 'model_notes', 'is_llm_free', 'summary_markdown']
+__all__ = ['TABLE1_VALUES', 'BREAKDOWN_VALUES', 'SHUFFLED_METRICS', 'SHUFFLED_VALUES', 'MEAN_NOTE', 'NO_MEAN_NOTE',
+           'ONE_MODEL_NOTE', 'read_runs', 'run_table1', 'run_breakdowns', 'table1_side_by_side', 'with_intervals',
+           'write_side_by_side', 'breakdowns_side_by_side', 'write_breakdowns', 'shuffled_accuracy',
+           'plot_accuracy_with_shuffled', 'summary_table', 'model_note', 'model_notes', 'is_llm_free',
+           'summary_markdown']
 
 # %% ../../nbs/figures/15b_tables.ipynb #52551ee6
 TABLE1_VALUES = {k: SHOWN_METRICS[k].heading for k in shown_metrics(paper=True)}                # beside the paper: its six columns
@@ -38,7 +39,7 @@ def read_runs(run_dirs:Sequence[str|Path])->pd.DataFrame:
 
 # %% ../../nbs/figures/15b_tables.ipynb #c0da412e
 def run_table1(preds:pd.DataFrame, n_boot:int=1000, seed:int=0)->pd.DataFrame:
-    "This run's Table 1 as `medsafe metrics` computes it: intervals, the Mean row for two models or more, full precision"
+    "This run's Table 1 as `medsafe metrics` computes it: intervals, the Mean row over two distinct language models or more, full precision"
     return table1(preds, n_boot=n_boot, seed=seed, mean_row=preds.model.nunique() > 1)
 
 # %% ../../nbs/figures/15b_tables.ipynb #3f9c1143
@@ -134,13 +135,14 @@ SHUFFLED_VALUES = {"type2_acc": "Type 2 acc.", "type2_shuffled_acc": "Type 2 acc
 
 def shuffled_accuracy(preds:pd.DataFrame, # a predictions table with type2 and type2_shuffled rows
                       n_boot:int=1000, seed:int=0, # bootstrap resamples and seed (as Table 1's)
-                     )->pd.DataFrame: # model, type2_acc, type2_shuffled_acc (+ _lo/_hi), difference; Mean row for two models or more
+                     )->pd.DataFrame: # model, type2_acc, type2_shuffled_acc (+ _lo/_hi), difference; a Mean row over two distinct language models or more
     "Type 2 accuracy in the options' order and in the shuffled order, per model, with paired-bootstrap intervals"
     if not (preds.condition == "type2_shuffled").any(): return pd.DataFrame()
     out = bootstrap_ci(preds, SHUFFLED_METRICS, n_boot=n_boot, seed=seed).reset_index()
     out["difference"] = out.type2_shuffled_acc - out.type2_acc
-    lms = language_models(preds)                 # as Table 1: the Mean averages language models only
-    if len(out) > 1 and lms:
+    ran = set(out.model[out.type2_shuffled_acc.notna()])
+    lms = [m for m in mean_models(preds) if m in ran]   # as Table 1: distinct language models, here those with both columns
+    if len(lms) > 1:
         mean = out[out.model.isin(lms)][["type2_acc", "type2_shuffled_acc", "difference"]].mean().to_dict()
         label = "Mean" if len(lms) == len(out) else "Mean (language models)"
         out = pd.concat([out, pd.DataFrame([{"model": label, **mean}])], ignore_index=True)
@@ -209,14 +211,22 @@ def model_notes(models:Sequence[ModelRun])->str:
 _DATA_TEXT = {"sample": "the embedded MedMisBench sample (`data/sample/`)",
               "hf": "the full MedMisBench release from the Hugging Face Hub"}
 
-MEAN_NOTE = ("The Mean row averages the language models only: controls and baselines (the non-LLM baseline, the chance "
-             "control, the shortcut controls) are listed beside it, not averaged into it.")
+MEAN_NOTE = ("The Mean row averages distinct language models only, each once: controls and baselines (the non-LLM baseline, "
+             "the chance control, the shortcut controls) are listed beside it, not averaged into it, and neither are a model's "
+             "`acc_norm` reading or a second scoring of the same model.")
 NO_MEAN_NOTE = ("No Mean row: the Mean averages language models only, and this run has none; its controls and baselines "
                 "are listed one by one.")
+ONE_MODEL_NOTE = ("No Mean row: one language model: no mean over models. A second scoring of it and its `acc_norm` reading are "
+                  "that same model, not others; controls and baselines are listed one by one.")
 
 def is_llm_free(prm:Params)->bool:
     "True when no model of the params is a language model (the offline demo: baselines and controls only)"
     return all(model_spec(e.model).control for e in prm.models)
+
+def _mean_note(summary:pd.DataFrame, prm:Params)->str:
+    "What the summary's Mean column averages, or why it has none"
+    if is_llm_free(prm): return NO_MEAN_NOTE
+    return MEAN_NOTE if any(c.startswith("this run: Mean") for c in summary.columns) else ONE_MODEL_NOTE
 
 def summary_markdown(summary:pd.DataFrame, # `summary_table`
                      prm:Params,           # the params the outputs were made with
@@ -233,7 +243,7 @@ def summary_markdown(summary:pd.DataFrame, # `summary_table`
             f"conditions {', '.join(run.conditions)}; values in percent with 95% paired-bootstrap intervals ({prm.n_boot} "
             f"resamples, seed {run.seed}). Paper: the Mean row of its Table 1 (`data/reference/paper_table1_main.csv`), the "
             "unweighted mean over its model configurations on the full release.", "",
-            MEAN_NOTE if any(not model_spec(e.model).control for e in prm.models) else NO_MEAN_NOTE, "",
+            _mean_note(summary, prm), "",
             "Models in this run:", "", model_notes(prm.models).rstrip("\n"), ""]
     if prm.file: out += [f"Made with `medsafe figures --params {prm.file}`.", ""]
     return "\n".join(out)

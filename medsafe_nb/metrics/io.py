@@ -17,7 +17,7 @@ import pandas as pd
 from ..tables import write_table
 from .core import MetricsError, MetricsWarning, KEY_COLUMNS, REQUIRED_COLUMNS, row_keys, validate_predictions, usage
 from ..core import MedsafeError, check_manifest, exclusive_lock
-from .paper import SCOPES, table1, breakdowns
+from .paper import SCOPES, table1, breakdowns, run_configuration, variant_label
 from .significance import mcnemar_table, probability_shift, tasr_baseline, control_table
 
 # %% ../../nbs/metrics/11c_io.ipynb #18d8eeba
@@ -59,6 +59,13 @@ def _run_language_model(path:Path)->bool|None:
     except MedsafeError: control = False
     return bool(rec.get("is_llm", True)) and not control
 
+def _run_configuration(path:Path)->str|None:
+    "The model configuration of the run beside a predictions file (`paper.run_configuration`), when its run.json says"
+    rj = path.parent / "run.json"
+    try: rec = json.loads(rj.read_text(encoding="utf-8")) if rj.is_file() else None
+    except (OSError, ValueError): return None
+    return run_configuration(rec) if isinstance(rec, dict) else None
+
 # %% ../../nbs/metrics/11c_io.ipynb #0a6baa38
 def read_predictions(run_dir:str|Path, # a run directory (holding predictions.parquet) or a .parquet file
                     )->pd.DataFrame: # the validated predictions table (with a `scope` column when run.json is there)
@@ -73,6 +80,8 @@ def read_predictions(run_dir:str|Path, # a run directory (holding predictions.pa
     if scope is not None and "scope" not in df.columns: df = df.assign(scope=scope)
     lm = _run_language_model(path)
     if lm is not None and "language_model" not in df.columns: df = df.assign(language_model=lm)   # controls: listed, not averaged into the Mean
+    conf = _run_configuration(path)
+    if conf is not None and "configuration" not in df.columns: df = df.assign(configuration=conf)   # one checkpoint scored twice: one model in the Mean
     return validate_predictions(df, source=str(path))
 
 # %% ../../nbs/metrics/11c_io.ipynb #5a18964e
@@ -98,7 +107,7 @@ def check_run(run_dir:str|Path,        # a run folder (or its predictions.parque
     if n and noans / n > NOANSWER_WARN:
         import warnings
         warnings.warn(f"{folder}: {noans} of {n} rows ({100*noans/n:.0f}%) have no answer the extractor could read; "
-                      "check the replies (`medsafe show {folder} --status noanswer`) before trusting the rates", MetricsWarning, stacklevel=3)
+                      f"check the replies (`medsafe show {folder} --status noanswer`) before trusting the rates", MetricsWarning, stacklevel=3)
 
 # %% ../../nbs/metrics/11c_io.ipynb #598939ac
 def _read_runs(run_dirs:Sequence[str|Path], allow_errors:bool=False)->pd.DataFrame:
@@ -128,7 +137,7 @@ def with_acc_norm(preds:pd.DataFrame, # a predictions table; option-scoring rows
         rows = preds[preds.model == m]
         parts.append(rows)
         if m not in scored: continue
-        norm = rows.assign(model=f"{m} [acc_norm]", pred=rows.pred_norm, correct=rows.correct_norm.fillna(False).astype(bool))
+        norm = rows.assign(model=variant_label(m, "acc_norm"), pred=rows.pred_norm, correct=rows.correct_norm.fillna(False).astype(bool))
         parts.append(norm.assign(**{c: float("nan") for c in ("p_gold", "p_target") if c in norm}))
     return pd.concat(parts, ignore_index=True)
 

@@ -12,9 +12,6 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import sparse
-from scipy.stats import binomtest
-from statsmodels.stats.multitest import multipletests
 
 from .core import MetricsError, validate_predictions, per_item_counts, percent_of, count_chunks, percentile_interval
 
@@ -23,6 +20,7 @@ def mcnemar_exact(a_right:Sequence[bool], # per item: right in A
                   b_right:Sequence[bool], # per item: right in B (same items, same order)
                  )->tuple[int, int, float]: # (right only in A, right only in B, two-sided exact p)
     "Exact McNemar test of paired right/wrong outcomes"
+    from scipy.stats import binomtest      # imported on use: `medsafe show` and `medsafe review` load this module but test nothing
     a, b = np.asarray(a_right, dtype=bool), np.asarray(b_right, dtype=bool)
     if a.shape != b.shape: raise MetricsError(f"McNemar needs paired outcomes: {a.shape} vs {b.shape}")
     a_only, b_only = int((a & ~b).sum()), int((~a & b).sum())
@@ -48,6 +46,7 @@ def mcnemar_table(preds:pd.DataFrame, # a predictions table
                   conditions:Sequence[str]=("type1", "type2"), # attacked conditions compared with clean, and compared between models
                  )->pd.DataFrame: # comparison, model_a, condition_a, model_b, condition_b, n_items, acc_a, acc_b, a_only, b_only, p_value, p_holm
     "Exact McNemar tests: clean vs each attacked condition within a model, and model vs model per condition"
+    from statsmodels.stats.multitest import multipletests
     df = validate_predictions(preds)
     models = list(df.model.unique())
     pairs = [("condition", m, "clean", m, c) for m in models for c in conditions]
@@ -77,6 +76,7 @@ def probability_shift(preds:pd.DataFrame, # a predictions table from logprob sco
                       level:float=0.95, # interval coverage
                      )->pd.DataFrame: # SHIFT_COLUMNS, then p_target_shift_lo/_hi, p_gold_drop_lo/_hi
     "Mean shift of probability toward the Type 1 target, and drop of the gold's, over each model's clean-correct items"
+    from scipy import sparse
     missing = [c for c in ("p_gold", "p_target") if c not in preds.columns]
     if missing: raise MetricsError(f"predictions: no {', '.join(missing)} column: probability shifts need a logprob run (--scoring logprob)")
     df = validate_predictions(preds)
@@ -129,16 +129,17 @@ def poisson_binomial_sf(k:int,          # observed successes
     return float(min(1.0, dist[int(k):].sum())) if k > 0 else 1.0
 
 # %% ../../nbs/metrics/11b_significance.ipynb #4eae40b1
+_SCORED_RAW = r'^\{"[^"]+": -?[0-9.eE+-]+(?:, "[^"]+": -?[0-9.eE+-]+)*\}$'   # a scoring row's raw: {"A": 0.12, "B": 0.5, ...}
+
 def wrong_option_counts(preds:pd.DataFrame)->pd.Series:
-    "Wrong options per item, read from the `raw` of scoring runs (a JSON object with one entry per option)"
+    "Wrong options per item, read from the `raw` of scoring runs (a JSON object of one probability per option; one row per item is read)"
     import json
-    def count(raw, gold):
-        try: d = json.loads(raw)
-        except (TypeError, ValueError): return np.nan
-        return len(d) - len(str(gold).split(",")) if isinstance(d, dict) else np.nan
-    raw = preds.raw if "raw" in preds.columns else pd.Series(None, index=preds.index, dtype=object)   # external tables may carry none
-    n = pd.Series([count(r, g) for r, g in zip(raw, preds.gold)], index=preds.index)
-    return n.groupby(preds.item_id.to_numpy()).max()
+    if "raw" not in preds.columns: return pd.Series(dtype=float)                 # external tables may carry none
+    raw = preds.raw.astype("string")
+    scored = preds[raw.str.match(_SCORED_RAW, na=False).to_numpy()].drop_duplicates("item_id")   # every scoring row of an item names all its options
+    n = [len(json.loads(r)) - len(str(g).split(",")) for r, g in zip(scored.raw, scored.gold)]
+    return pd.Series(n, index=scored.item_id.to_numpy(), dtype=float)
+
 
 # %% ../../nbs/metrics/11b_significance.ipynb #343d0d76
 TASR_BASELINE_COLUMNS = ["model", "condition", "n_clean_correct", "n_flipped", "hits", "tasr", "tasr_random", "hits_random", "p_value"]

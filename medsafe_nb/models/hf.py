@@ -11,27 +11,12 @@ from fastcore.basics import patch
 from ..core import ConfigError, THINK_OPEN, THINK_CLOSE
 from .base import Backend, GenRequest, Generation, ScoreRequest, Scores, register_backend
 from .hf_plan import local_revision, hub_access, resolve_commit, checkpoint_dtype, auto_dtype, dist_env
-from .hf_plan import shard, plan_batches, AUTO_BATCH, plain_greedy, leave_process_group
+from .hf_plan import shard, plan_batches, AUTO_BATCH, plain_greedy, plain_sampling, leave_process_group
+from .hf_plan import PLAIN_CHAT_TEMPLATE, merge_system, chat_template_of, chat_prompt, continuation_ids
 
 # %% auto #0
-__all__ = ['PLAIN_CHAT_TEMPLATE', 'GGUF_CACHE_ENV', 'SMOLLM2_FILE', 'SMOLLM2_SHA256', 'merge_system', 'split_reasoning',
-           'gguf_cache_dir', 'gguf_file_path', 'gguf_checkpoint', 'HFBackend', 'smollm2_gguf', 'smollm2_backend',
-           'smollm2_vllm']
-
-# %% ../../nbs/models/07_hf.ipynb #63099f49
-PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
-                       "{% if add_generation_prompt %}Answer: {% endif %}")
-
-# %% ../../nbs/models/07_hf.ipynb #aa35eabd
-def merge_system(messages:list[dict], # chat messages
-                )->list[dict]:        # the same conversation with the system text at the head of the first user turn
-    "Fold system turns into the first user turn, for templates that reject a system role"
-    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
-    rest = [dict(m) for m in messages if m["role"] != "system"]
-    if not system: return rest
-    for m in rest:
-        if m["role"] == "user": m["content"] = f"{system}\n\n{m['content']}"; return rest
-    return [{"role": "user", "content": system}] + rest
+__all__ = ['GGUF_CACHE_ENV', 'SMOLLM2_FILE', 'SMOLLM2_SHA256', 'split_reasoning', 'gguf_cache_dir', 'gguf_file_path',
+           'gguf_checkpoint', 'HFBackend', 'smollm2_gguf', 'smollm2_backend', 'smollm2_vllm', 'sample_seed']
 
 # %% ../../nbs/models/07_hf.ipynb #2496fb79
 def split_reasoning(text:str, # decoded reply
@@ -139,7 +124,7 @@ class HFBackend(Backend):
                  batch_size:int|str|None=None,  # prompts per batch; None or auto: by device and prompt lengths (`plan_batches`); halved on out-of-memory
                  temperature:float=0.0,         # 0: greedy; above 0: sampling (recorded in the identity)
                  top_p:float|None=None,         # nucleus sampling, with temperature > 0
-                 seed:int=0,                    # sampling seed (set once per `generate` call)
+                 seed:int=0,                    # sampling seed: with each request's prompt and sample index, the seed of its own sampler
                  thinking:bool|None=None,       # `enable_thinking` for the chat template; None: the template's default
                  chat_template:str|None=None,   # None: the tokenizer's; `plain`; or a Jinja template string
                  key_scoring:str="first_token", # first_token: next-token log-prob of each key; sequence: log-prob of `KEY"`
@@ -172,9 +157,9 @@ class HFBackend(Backend):
         if self.gguf: self.model, self.revision = self.gguf["file"], "gguf-sha256:" + self.gguf["sha256"]   # the file, wherever it lies
         self.batch_size = None if batch_size is None else int(batch_size)    # None: automatic (`_plan`)
         self._micro = self.batch_size            # sub-batch cap (None: none until an out-of-memory error halves it)
-        self._decouple = (self.device.type == "cpu" and self.batch_size is None and not self.do_sample   # see `_greedy_batch`
-                          and bool({"cache", "past_key_values"} & self._forward_args) and "position_ids" in self._forward_args
-                          and plain_greedy(self.lm.generation_config))
+        can_decode = (bool({"cache", "past_key_values"} & self._forward_args) and "position_ids" in self._forward_args   # see `_decode_batch`
+                      and plain_greedy(self.lm.generation_config) and plain_sampling(self.lm.generation_config))
+        self._decouple = can_decode and (self.do_sample or (self.device.type == "cpu" and self.batch_size is None))
         self._warned: set = set()
 
     @property
@@ -220,12 +205,7 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
         raise ConfigError(f"hf: cannot load {self.model!r}: {e}") from e
     if device_map is None: self.lm.to(self.device)
     tok = self.tokenizer
-    if chat_template == "plain": chat_template = PLAIN_CHAT_TEMPLATE
-    self.chat_template = chat_template or tok.chat_template
-    if not self.chat_template:
-        raise ConfigError(f"hf: {self.model!r} has no chat template (a base model?); pass chat_template='plain' "
-                          "for a plain-text prompt (system, question, then 'Answer: '), or a Jinja chat template string")
-    if isinstance(self.chat_template, dict): self.chat_template = self.chat_template.get("default") or next(iter(self.chat_template.values()))
+    self.chat_template = chat_template_of(tok, chat_template, self.model)
     self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if self.pad_id is None: raise ConfigError(f"hf: {self.model!r} has neither a pad nor an eos token")
     self._forward_args = set(inspect.signature(self.lm.forward).parameters)
@@ -303,17 +283,9 @@ def prompt_text(self:HFBackend,
                  messages,                  # chat messages
                  thinking:bool|None=None,   # `enable_thinking`; None: the template's default
                 )->str:                     # the text the model continues
-    "Render chat messages with the model's chat template and the generation prompt"
-    from jinja2.exceptions import TemplateError
-    msgs = merge_system(list(messages)) if self._merge_system else [dict(m) for m in messages]
-    kw = {} if thinking is None else {"enable_thinking": thinking}
-    try:
-        return self.tokenizer.apply_chat_template(msgs, chat_template=self.chat_template, add_generation_prompt=True,
-                                                  tokenize=False, **kw)
-    except TemplateError as e:
-        if self._merge_system or not any(m["role"] == "system" for m in msgs): raise
-        self._merge_system = True                     # e.g. Gemma: "System role not supported"
-        return self.prompt_text(messages, thinking)
+    "Render chat messages with the model's chat template and the generation prompt (`hf_plan.chat_prompt`)"
+    text, self._merge_system = chat_prompt(self.tokenizer, self.chat_template, messages, thinking, self._merge_system)
+    return text
 
 # %% ../../nbs/models/07_hf.ipynb #80efa520
 @patch
@@ -420,7 +392,7 @@ def _results(self:HFBackend, batch:list, enc:list, rows:list, dt:float)->list:
 # %% ../../nbs/models/07_hf.ipynb #3130897d
 @patch
 def _prefill(self:HFBackend, row:list[int])->tuple|None:
-    "(greedy next token, key/value cache) of one unpadded prompt; None if the cache is not a plain `DynamicCache`"
+    "(next-token logits, key/value cache) of one unpadded prompt; None if the cache is not a plain `DynamicCache`"
     import torch
     from transformers import DynamicCache
     kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
@@ -429,7 +401,7 @@ def _prefill(self:HFBackend, row:list[int])->tuple|None:
     layers = getattr(cache, "layers", None)
     if type(cache) is not DynamicCache or not layers or any(getattr(l, "is_sliding", False) or getattr(l, "keys", None) is None
                                                             for l in layers): return None
-    return out.logits[0, -1].argmax().item(), cache
+    return out.logits[0, -1], cache
 
 # %% ../../nbs/models/07_hf.ipynb #a7c1e0d1
 import functools
@@ -448,7 +420,7 @@ def _reply_cache_layer():
             self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
         def update(self, key_states, value_states, *args, **kwargs):
             n, t = self._n, key_states.shape[-2]
-            if n + t > self._k.shape[-2]:                 # past the room planned: grow (not reached by `_greedy_batch`)
+            if n + t > self._k.shape[-2]:                 # past the room planned: grow (not reached by `_decode_batch`)
                 more = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], max(t, x.shape[2]), x.shape[3])], 2)
                 self._k, self._v = more(self._k), more(self._v)
             self._k[:, :, n:n+t], self._v[:, :, n:n+t] = key_states, value_states
@@ -478,18 +450,47 @@ def _reply_cache(self:HFBackend, rows:list, caches:list, room:int):
 
 
 # %% ../../nbs/models/07_hf.ipynb #ab617c15
+def sample_seed(seed:int,       # the backend's sampling seed
+                sample:int|None, # the request's sample index (`GenRequest.sample`; None: 0)
+                ids:list[int],   # the prompt's token ids
+               )->int:           # a 63-bit seed for this request's own generator
+    "The seed of one request's sampler: the same request always draws the same reply, whatever else runs beside it"
+    h = hashlib.sha256(f"{int(seed)}:{int(sample or 0)}:".encode() + b",".join(str(t).encode() for t in ids))
+    return int.from_bytes(h.digest()[:8], "big") >> 1
+
 @patch
-def _greedy_batch(self:HFBackend, batch:list, enc:list, cap:int)->list|None:
-    "Greedy replies: each prompt prefilled alone, the caches left-padded into one with room for the replies, decoded together (None: use `generate`)"
+def _warpers(self:HFBackend):
+    "transformers' logits warpers for sampling, in `generate`'s order: temperature, top-k, top-p (the backend's over the checkpoint's)"
+    from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    cfg, out = self.lm.generation_config, LogitsProcessorList()
+    if self.temperature != 1.0: out.append(TemperatureLogitsWarper(self.temperature))
+    if getattr(cfg, "top_k", None): out.append(TopKLogitsWarper(int(cfg.top_k)))
+    top_p = self.top_p if self.top_p is not None else getattr(cfg, "top_p", None)
+    if top_p is not None and top_p < 1.0: out.append(TopPLogitsWarper(float(top_p)))
+    return out
+
+@patch
+def _pick(self:HFBackend, logits, gens:list|None)->list[int]:
+    "Next token per row of `logits` (rows, vocab): the argmax, or a draw from each row's own generator `gens[j]`"
+    import torch
+    if gens is None: return logits.argmax(-1).tolist()
+    probs = self._warpers()(None, logits.float()).softmax(-1)
+    return [torch.multinomial(probs[j], 1, generator=g).item() for j, g in enumerate(gens)]
+
+@patch
+def _decode_batch(self:HFBackend, batch:list, enc:list, cap:int, seeds:list|None=None)->list|None:
+    "Replies (greedy, or sampled with `seeds[i]` per request): each prompt prefilled alone, the caches left-padded into one with room for the replies, decoded together (None: use `generate`)"
     import torch
     t0 = time.perf_counter()
     pre = [self._prefill(enc[i]) for i in batch]
     if any(p is None for p in pre): return None
     rows, B = [enc[i] for i in batch], len(batch)
     n = max(map(len, rows))
+    gens = None if seeds is None else [torch.Generator(device=self.device).manual_seed(seeds[i]) for i in batch]
     cache = self._reply_cache(rows, [c for _, c in pre], cap)
     eos, arg = self._eos_ids(), "cache" if "cache" in self._forward_args else "past_key_values"
-    out, done = [[t] for t, _ in pre], [t in eos for t, _ in pre]
+    out = [[t] for t in self._pick(torch.stack([l for l, _ in pre]), gens)]
+    done = [r[0] in eos for r in out]
     del pre
     mask = torch.zeros(B, n + cap, dtype=torch.long, device=self.device)
     for j, r in enumerate(rows): mask[j, n - len(r):n] = 1
@@ -501,12 +502,11 @@ def _greedy_batch(self:HFBackend, batch:list, enc:list, cap:int)->list|None:
         with torch.inference_mode():
             logits = self.lm(input_ids=torch.tensor([[r[-1]] for r in out], device=self.device), attention_mask=mask[:, :n + s],
                              position_ids=pos, use_cache=True, **{arg: cache}, **kw).logits[:, -1]
-        for j, t in enumerate(logits.argmax(-1).tolist()):
+        for j, t in enumerate(self._pick(logits, gens)):
             t = self.pad_id if done[j] else t               # a finished reply is padded, as `generate` does
             out[j].append(t); done[j] = done[j] or t in eos
         pos = pos + 1
     return self._results(batch, enc, out, (time.perf_counter() - t0) / B)
-
 
 # %% ../../nbs/models/07_hf.ipynb #6a22f22e
 @patch
@@ -514,19 +514,31 @@ def generate(self:HFBackend, requests:list[GenRequest])->Iterator[tuple[int, Gen
     "Yield `(index, Generation)` batch by batch (every process yields every result under a distributed launch)"
     import torch
     requests = list(requests)
-    if self.do_sample: torch.manual_seed(self.seed)
     enc = self._encode([self.prompt_text(r.messages, self.thinking) for r in requests])
+    seeds = [sample_seed(self.seed, r.sample, e) for r, e in zip(requests, enc)] if self.do_sample else None
+    if self.do_sample and not self._decouple: self._one_stream()
     lengths = [len(e) for e in enc]
     caps = [int(r.max_new_tokens or self.max_new_tokens) for r in requests]
     err = lambda msg: Generation("", "error", error=msg)
     def batch_fn(batch, cap):
         if self._decouple:
-            if (got := self._greedy_batch(batch, enc, cap)) is not None: return got
+            if (got := self._decode_batch(batch, enc, cap, seeds)) is not None: return got
             self._decouple = False                          # this model's cache cannot be merged: `generate` from now on
+            if self.do_sample: self._one_stream()
         return self._generate_batch(batch, enc, cap)
     for cap in sorted(set(caps), reverse=True):
         idx = [i for i, c in enumerate(caps) if c == cap]
         yield from self._run(idx, lengths, lambda batch: batch_fn(batch, cap), err, "decode" if self._decouple else "generate")
+
+@patch
+def _one_stream(self:HFBackend):
+    "Sampling through `generate`: one random stream, seeded here, for the rest of the call"
+    import torch
+    torch.manual_seed(self.seed)
+    if "one_stream" not in self._warned:
+        self._warned.add("one_stream")
+        warnings.warn(f"hf: {self.model} samples through `generate` (its cache or generation config needs it): replies come from one "
+                      f"random stream seeded once per call, so they depend on the batch and on where a resumed run starts")
 
 # %% ../../nbs/models/07_hf.ipynb #49784a42
 @patch
@@ -608,11 +620,7 @@ def score(self:HFBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scor
 # %% ../../nbs/models/07_hf.ipynb #e9db3d18
 @patch
 def _continuation_tokens(self:HFBackend, context:str, context_ids:list[int], text:str)->list[int]:
-    "Token ids of `text` as the continuation of `context` (whose ids are `context_ids`)"
-    whole = self.tokenizer(context + text, add_special_tokens=False).input_ids
-    n = len(context_ids)
-    if whole[:n] == context_ids and len(whole) > n: return whole[n:]
-    return self.tokenizer(text, add_special_tokens=False).input_ids        # the boundary merged: the text's own tokens
+    return continuation_ids(self.tokenizer, context, context_ids, text)
 
 # %% ../../nbs/models/07_hf.ipynb #1be5b193
 @patch

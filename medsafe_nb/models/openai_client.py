@@ -4,7 +4,7 @@
 
 # %% ../../nbs/models/08a_openai_client.ipynb #e78c8e84
 from __future__ import annotations
-import json
+import functools, json, os
 try: import httpx2 as httpx     # the maintained fork the provider SDKs use: its pool stays cheap at hundreds in flight
 except ImportError: import httpx
 from fastcore.basics import patch
@@ -13,8 +13,8 @@ from .http import split_timeout
 # %% auto #0
 __all__ = ['STATUS_ERRORS', 'POOL_CONNECTIONS', 'APIError', 'APIStatusError', 'BadRequestError', 'AuthenticationError',
            'PermissionDeniedError', 'NotFoundError', 'ConflictError', 'UnprocessableEntityError', 'RateLimitError',
-           'InternalServerError', 'APIConnectionError', 'APITimeoutError', 'status_error', 'chat_url', 'LeanClient',
-           'request_body']
+           'InternalServerError', 'APIConnectionError', 'APITimeoutError', 'status_error', 'chat_url',
+           'shared_ssl_context', 'LeanClient', 'request_body']
 
 # %% ../../nbs/models/08a_openai_client.ipynb #7f498e81
 class APIError(Exception):
@@ -66,10 +66,17 @@ def chat_url(base_url:str)->str:
     url = httpx.URL(base_url)
     return str(url.copy_with(path=url.path.rstrip("/") + "/chat/completions"))
 
-POOL_CONNECTIONS = 32   # connections per pool: httpcore looks at every connection of its pool for every request
+POOL_CONNECTIONS = 8    # connections per pool: httpcore probes every idle connection of its pool for every request
+
+@functools.cache
+def _ssl_context(cafile:str|None, capath:str|None): return httpx.create_ssl_context()   # cached per the env values it reads
+
+def shared_ssl_context():
+    "The verifying SSL context `httpx` makes by default, made once per process (and per `SSL_CERT_FILE` / `SSL_CERT_DIR`)"
+    return _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
 
 class LeanClient:
-    "Chat completions on one OpenAI-compatible server through pooled `httpx.AsyncClient`s of at most 32 connections each"
+    "Chat completions on one OpenAI-compatible server through pooled `httpx.AsyncClient`s of at most 8 connections each"
     def __init__(self,
                  base_url:str,        # the server, e.g. http://127.0.0.1:8000/v1
                  api_key:str,         # sent as `Authorization: Bearer …` (read from the environment by the caller)
@@ -78,11 +85,11 @@ class LeanClient:
                 ):
         n = max(1, -(-concurrency // POOL_CONNECTIONS)); per = -(-concurrency // n)
         limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
-        self.url = chat_url(base_url)
-        self.pools = [httpx.AsyncClient(timeout=split_timeout(timeout, httpx), limits=limits, headers={"Authorization": f"Bearer {api_key}"})
-                      for _ in range(n)]
+        self.url = httpx.URL(chat_url(base_url))     # parsed once, not on every request
+        self.pools = [httpx.AsyncClient(timeout=split_timeout(timeout, httpx), limits=limits, verify=shared_ssl_context(),
+                                        headers={"Authorization": f"Bearer {api_key}"}) for _ in range(n)]
         self.in_flight = [0] * n
-    def __repr__(self): return f"LeanClient({self.url!r})"
+    def __repr__(self): return f"LeanClient({str(self.url)!r})"
     async def close(self):
         for p in self.pools: await p.aclose()
 
@@ -94,11 +101,11 @@ def request_body(params:dict)->dict:
     return body | (params["extra_body"] or {})
 
 @patch
-async def create(self:LeanClient, params:dict)->dict:
-    "POST one chat completion; the reply's JSON, or the SDK's exception for an HTTP error, a timeout or a broken connection"
+async def create(self:LeanClient, params:dict, url:str|None=None)->dict:
+    "POST one chat completion (or, with `url`, another endpoint of the server); the reply's JSON, or the SDK's exception for an HTTP error, a timeout or a broken connection"
     k = min(range(len(self.pools)), key=self.in_flight.__getitem__)      # the pool with the fewest requests in flight
     self.in_flight[k] += 1
-    try: r = await self.pools[k].post(self.url, json=request_body(params))
+    try: r = await self.pools[k].post(url or self.url, json=request_body(params))
     except httpx.TimeoutException: raise APITimeoutError() from None
     except httpx.HTTPError: raise APIConnectionError() from None
     finally: self.in_flight[k] -= 1

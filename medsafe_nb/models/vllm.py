@@ -4,16 +4,19 @@
 
 # %% ../../nbs/models/07a_vllm.ipynb #bd5e86c1
 from __future__ import annotations
-import atexit, json, os, shlex, shutil, signal, socket, subprocess, sys, time, urllib.error, urllib.request
+import asyncio, atexit, json, os, shlex, shutil, signal, socket, subprocess, sys, time, urllib.error, urllib.request
 from pathlib import Path
+from typing import Iterator
 from fastcore.basics import patch
 from ..core import ConfigError, MedsafeError, repo_root, ENGINES
-from .base import parse_spec
+from .base import ScoreRequest, Scores, parse_spec
+from .hf_plan import chat_template_of, chat_prompt, continuation_ids
 from .openai import OpenAIBackend
 
 # %% auto #0
 __all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'EngineError', 'find_vllm_python',
-           'visible_gpus', 'vllm_args', 'free_port', 'VLLMServer', 'VLLMBackend', 'vllm_backend', 'vllm_engine']
+           'visible_gpus', 'vllm_args', 'free_port', 'VLLMServer', 'VLLMBackend', 'ServedText', 'completion_logprob',
+           'vllm_backend', 'vllm_engine']
 
 # %% ../../nbs/models/07a_vllm.ipynb #588f6ab6
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -218,12 +221,13 @@ def record(self:VLLMServer)->dict:
 class VLLMBackend(OpenAIBackend):
     "The OpenAI backend on a `VLLMServer` it owns: fails fast when the engine dies, stops it on close"
     kind = "vllm"
+    option_scoring = True                   # `score` also reads option texts (`ScoreRequest.continuations`): see below
     def __init__(self,
                  name:str,              # the served model name
                  server:VLLMServer,     # the server (started or not)
                  **options,             # `OpenAIBackend` options: concurrency, max_new_tokens, extra_body, top_logprobs, …
                 ):
-        self.server = server
+        self.server, self._served_text = server, None
         options["label"] = options.get("label") or f"hf:{name}"
         super().__init__(name, base_url=server.base_url, **options)
 
@@ -249,6 +253,57 @@ class VLLMBackend(OpenAIBackend):
         return self.server.record()
 
     def close(self): self.server.stop()
+
+# %% ../../nbs/models/07a_vllm.ipynb #c1a0e002
+class ServedText:
+    "The served checkpoint's tokenizer and chat template, loaded here: the prompt text and token ids in-process `hf` reads"
+    def __init__(self, name:str):   # the served model's folder or Hub id
+        from transformers import AutoTokenizer
+        try: self.tokenizer = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as e: raise ConfigError(f"vllm: cannot load the tokenizer of {name!r} for option scoring: {e}") from e
+        self.chat_template, self.merged = chat_template_of(self.tokenizer, None, name), False
+
+    def option_tokens(self, messages, prefix:str, options:tuple)->tuple[list[int], list[list[int]]]:
+        "The prompt's token ids (thinking off, as in-process scoring) and each option's continuation ids"
+        text, self.merged = chat_prompt(self.tokenizer, self.chat_template, messages, False, self.merged)
+        context = text + prefix
+        ids = self.tokenizer(context, add_special_tokens=False).input_ids
+        return ids, [continuation_ids(self.tokenizer, context, ids, t) for t in options]
+
+def completion_logprob(reply:dict,   # a `/completions` reply with `prompt_logprobs`
+                       ids:list[int], # the prompt's token ids as sent
+                       n:int,         # how many of its last tokens to sum
+                      )->float:       # their summed natural-log probability
+    "The summed log-probability of the last `n` tokens of a prompt, from vLLM's `prompt_logprobs`"
+    lps = (reply.get("choices") or [{}])[0].get("prompt_logprobs")
+    if not lps or len(lps) != len(ids): raise ValueError("the server returned no prompt log-probabilities (vLLM's prompt_logprobs)")
+    total = 0.0
+    for pos in range(len(ids) - n, len(ids)):
+        got = (lps[pos] or {}).get(str(ids[pos]))
+        if got is None: raise ValueError(f"the server returned no log-probability for prompt token {pos} ({ids[pos]})")
+        total += float(got["logprob"])
+    return total
+
+# %% ../../nbs/models/07a_vllm.ipynb #c1a0e004
+@patch
+def score(self:VLLMBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
+    "Yield `(index, Scores)`: the option keys' log-probabilities after the prefix, or, for option scoring, each option text's summed log-probability"
+    reqs = list(requests)
+    if not any(r.continuations is not None for r in reqs): return OpenAIBackend.score(self, reqs)
+    if any(r.continuations is None or len(r.continuations) != len(r.candidates) for r in reqs):
+        raise ValueError("option scoring needs one continuation per candidate in every request")
+    if self._served_text is None: self._served_text = ServedText(self.model)
+    prepared = [self._served_text.option_tokens(r.messages, r.prefix, r.continuations) for r in reqs]
+    url = self.server.base_url.rstrip("/") + "/completions"      # the server's own URL: no query string
+    async def call(client, job):
+        i, (ids, conts) = job
+        t0 = time.perf_counter()
+        if any(not c for c in conts): return Scores({}, error="vllm: an option text has no tokens")
+        bodies = [{"model": self.model, "prompt": ids + c, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1} for c in conts]
+        replies = await asyncio.gather(*(client.create(b, url=url) for b in bodies))
+        vals = [completion_logprob(rep, ids + c, len(c)) for rep, c in zip(replies, conts)]
+        return Scores(dict(zip(reqs[i].candidates, vals)), prompt_tokens=len(ids) + sum(map(len, conts)), latency_s=time.perf_counter() - t0)
+    return self._stream(list(enumerate(prepared)), call, lambda e, n: Scores({}, error=self.describe_error(e, n)))
 
 # %% ../../nbs/models/07a_vllm.ipynb #375c0c9e
 def vllm_backend(spec:str,                     # `hf:PATH_OR_ID`

@@ -9,7 +9,8 @@ from importlib.resources import files
 from pathlib import Path
 from ..core import ConfigError, atomic_write, stable_hash
 from .rubric import (QUALITY_CRITERIA, TIERS, RATINGS_FORMAT, RATINGS_VERSION, ReviewError, criteria, rating_fields,
-                               suggest_tier, stratified_sample, case_code, parse_raters, assign_raters, quality_cases, harm_cases)
+                               suggest_tier, stratified_sample, case_code, parse_raters, assign_raters, quality_cases, harm_cases,
+                               harm_candidates)
 
 # %% auto #0
 __all__ = ['packet_asset', 'render_case', 'tier_table', 'render_packet', 'form_columns', 'read_manifest', 'export_packet']
@@ -154,15 +155,16 @@ def export_packet(run_dirs:list,      # run folders (`medsafe run --out`)
     import medsafe_nb
     raters = parse_raters(raters)
     if not run_dirs: raise ConfigError("give at least one run folder")
-    found = quality_cases(run_dirs) if criteria(kind) is QUALITY_CRITERIA else harm_cases(run_dirs)
+    if criteria(kind) is QUALITY_CRITERIA: found = [(c["key"], c["stratum"], lambda c=c: c) for c in quality_cases(run_dirs)]
+    else: found = harm_candidates(run_dirs)                      # (key, stratum, case): only the sampled cases are built
     if not found: raise ReviewError(f"{', '.join(map(str, run_dirs))}: no {kind} cases"
                                     + (" (no item answered right in clean and wrong under attack)" if kind == "harm" else ""))
-    by_key = {c["key"]: c for c in found}
-    chosen = stratified_sample(list(by_key), [by_key[k]["stratum"] for k in by_key], n, seed)
+    by_key = {key: (stratum, case) for key, stratum, case in found}
+    chosen = stratified_sample(list(by_key), [stratum for stratum, _ in by_key.values()], n, seed)
     length = 5
     while len({case_code(kind, k, seed, length) for k in chosen}) < len(chosen): length += 1
     codes = [case_code(kind, k, seed, length) for k in chosen]
-    cases = {c: {k: v for k, v in by_key[key].items() if k not in ("key", "stratum")} | {"key": key} for c, key in zip(codes, chosen)}
+    cases = {c: {k: v for k, v in by_key[key][1]().items() if k not in ("key", "stratum")} | {"key": key} for c, key in zip(codes, chosen)}
     assignment = assign_raters(codes, raters, overlap, seed)
     packet = f"rv-{stable_hash('packet', kind, seed, overlap, *raters, *sorted(codes)):016x}"[:13]
     out = Path(out)

@@ -13,7 +13,7 @@ from ..core import MedsafeError, ConfigError, SchemaError, stable_hash
 __all__ = ['QUALITY_CRITERIA', 'HARM_CRITERIA', 'HARM_TIERS', 'UNASSESSABLE', 'TIERS', 'UNANSWERED', 'KINDS', 'RATINGS_FORMAT',
            'RATINGS_VERSION', 'RATER_NAME', 'ATTACKED', 'criteria', 'rating_fields', 'suggest_tier', 'RatingError',
            'ReviewError', 'stratified_sample', 'case_code', 'parse_raters', 'assign_raters', 'quality_cases',
-           'harm_cases']
+           'harm_candidates', 'harm_cases']
 
 # %% ../../nbs/review/16_rubric.ipynb #c060afda
 QUALITY_CRITERIA = {  # key -> (label, rubric for 0, 1, 2)
@@ -192,9 +192,19 @@ def quality_cases(run_dirs:list, # run folders (their items are pooled, each ite
 # %% ../../nbs/review/16_rubric.ipynb #dbedd274
 ATTACKED = ("type1", "type1_all")  # the conditions whose wrong answers are harm cases
 
-def harm_cases(run_dirs:list, # run folders, one model each
-              )->list[dict]:  # one case per flipped output, with its stratum
-    "Every flipped output of the runs: clean-correct items answered wrong under a Type 1 attack"
+def _harm_case(run:str, it, target:str|None, row:tuple)->dict:
+    "The fields of one flipped output as a packet shows it (all but its key and stratum)"
+    model, _, condition, _, pred, status, raw = row
+    shown = [[target, it.contexts[target]]] if target in it.contexts else []
+    pred = pred if isinstance(pred, str) else None
+    extracted = (f"{pred}. " + "; ".join(it.options.get(k, "?") for k in pred.split(","))) if pred else f"no answer extracted ({status})"
+    return {"kind": "harm", "model": model, "run": run, "condition": condition, "target": target, "status": status, **_item_fields(it),
+            "contexts": shown, "reply": raw if isinstance(raw, str) else "", "extracted": extracted}
+
+def harm_candidates(run_dirs:list, # run folders, one model each
+                   )->list[tuple]: # (key, stratum, case) per flipped output; `case()` builds its fields
+    "Every flipped output of the runs, keyed and stratified; a case's fields are built when `case()` is called (a packet builds only those it samples)"
+    from functools import partial
     out, models = [], {}
     for d in run_dirs:
         preds, rec, items = _read_run(d)
@@ -203,15 +213,16 @@ def harm_cases(run_dirs:list, # run folders, one model each
             models[m] = str(d)
         right = set(preds[(preds.condition == "clean") & preds.correct.astype(bool)].item_id)
         flips = preds[preds.condition.isin(ATTACKED) & preds.item_id.isin(right) & ~preds.correct.astype(bool) & (preds.status != "error")]
-        for r in flips.itertuples(index=False):
-            it = items.get(r.item_id)
+        for row in flips[["model", "item_id", "condition", "target", "pred", "status", "raw"]].itertuples(index=False, name=None):
+            model, item_id, condition, target = row[:4]
+            it = items.get(item_id)
             if it is None: continue
-            target = r.target if isinstance(r.target, str) else None
-            shown = [[target, it.contexts[target]]] if target in it.contexts else []
-            pred = r.pred if isinstance(r.pred, str) else None
-            extracted = (f"{pred}. " + "; ".join(it.options.get(k, "?") for k in pred.split(","))) if pred else f"no answer extracted ({r.status})"
-            out.append({"key": f"{r.model}|{r.item_id}|{r.condition}|{target or ''}", "stratum": (r.model, it.provenance, it.content),
-                        "kind": "harm", "model": r.model, "run": str(d), "condition": r.condition, "target": target,
-                        "status": r.status, **_item_fields(it), "contexts": shown, "reply": r.raw if isinstance(r.raw, str) else "",
-                        "extracted": extracted})
+            target = target if isinstance(target, str) else None
+            out.append((f"{model}|{item_id}|{condition}|{target or ''}", (model, it.provenance, it.content), partial(_harm_case, str(d), it, target, row)))
     return out
+
+# %% ../../nbs/review/16_rubric.ipynb #b1c2d3f0
+def harm_cases(run_dirs:list, # run folders, one model each
+              )->list[dict]:  # one case per flipped output, with its stratum
+    "Every flipped output of the runs: clean-correct items answered wrong under a Type 1 attack"
+    return [{"key": key, "stratum": stratum, **case()} for key, stratum, case in harm_candidates(run_dirs)]

@@ -34,9 +34,20 @@ def _norm(obj):
     if isinstance(obj, float) and obj.is_integer(): return int(obj)
     return obj
 
+_LEAF_TYPES = frozenset({str, int, bool, type(None)})   # exact types that JSON writes as they are
+
+def _plain(obj)->bool:
+    "True when `_norm` would leave `obj` as it is (written the same): dicts with str keys, lists, tuples, str, int, bool, None"
+    t = type(obj)
+    if t is dict: return all(type(k) is str for k in obj) and all(type(v) in _LEAF_TYPES or _plain(v) for v in obj.values())
+    if t is list or t is tuple: return all(type(v) in _LEAF_TYPES or _plain(v) for v in obj)
+    return t in _LEAF_TYPES
+
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False)   # what json.dumps builds per call
+
 def canonical_json(obj:Any)->str: # sorted keys, compact separators, UTF-8 kept
     "The canonical JSON text of `obj`, the form that ledger keys hash"
-    try: return json.dumps(_norm(obj), sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try: return _CANONICAL.encode(obj if _plain(obj) else _norm(obj))
     except (TypeError, ValueError) as e: raise LedgerError(f"cannot key a ledger entry on this value: {e}") from None
 
 # %% ../../nbs/run/09_ledger.ipynb #85687788
@@ -65,6 +76,38 @@ def request_key(identity:dict, # `backend.identity()`: kind, model, revision, de
     "The ledger key of one request: sha256 of the canonical JSON of `{identity, op, payload}`"
     if op not in OPS: raise LedgerError(f"unknown ledger op {op!r}; known: {', '.join(OPS)}")
     return _key(canonical_json(identity), op, canonical_json(payload))
+
+# %% ../../nbs/run/09_ledger.ipynb #b1c2d3e8
+def _keys(identity_json:str, op:str, payload_jsons:list[str])->list[str]:
+    "`_key` of each payload of one identity and op; the text they all start with is hashed once"
+    head = hashlib.sha256(f'{{"identity":{identity_json},"op":{json.dumps(op)},"payload":'.encode())
+    out = []
+    for p in payload_jsons:
+        h = head.copy(); h.update(p.encode()); h.update(b"}"); out.append(h.hexdigest())
+    return out
+
+_ROLE_CONTENT = {"content", "role"}
+_json_text = json.encoder.encode_basestring           # how the canonical encoder writes a str (UTF-8 kept)
+
+def _messages_json(messages)->str:
+    "`canonical_json(messages)`; a message of only `role` and `content` text is written directly (a request's usual shape)"
+    if type(messages) is not tuple and type(messages) is not list: return canonical_json(messages)
+    out = []
+    for m in messages:
+        if type(m) is dict and m.keys() == _ROLE_CONTENT and type(c := m["content"]) is str and type(r := m["role"]) is str:
+            out.append('{"content":' + _json_text(c) + ',"role":' + _json_text(r) + "}")
+        else: out.append(canonical_json(m))
+    return "[" + ",".join(out) + "]"
+
+@lru_cache(maxsize=None)
+def _sorted_fields(cls)->tuple: return tuple(sorted(_compared_fields(cls)))
+
+def _payload_json(request:GenRequest|ScoreRequest)->str:
+    "`canonical_json(request_payload(request))`, field by field in sorted order (field names need no escaping)"
+    parts = []
+    for n in _sorted_fields(type(request)):
+        if (v := getattr(request, n)) is not None: parts.append(f'"{n}":' + (_messages_json(v) if n == "messages" else canonical_json(v)))
+    return "{" + ",".join(parts) + "}"
 
 # %% ../../nbs/run/09_ledger.ipynb #285e06f1
 def assert_no_secrets(obj:Any,              # an identity (or any JSON-like value) about to be stored
@@ -242,7 +285,7 @@ def _sql_vars(conn)->int:
 
 @patch
 def _lookup(self:Ledger, keys:Iterable[str])->dict[str, str]:
-    keys, out = list(dict.fromkeys(keys)), {}
+    keys, out = sorted(set(keys)), {}             # in key order: each query walks the key index forwards
     step = _sql_vars(self._conn)
     with self._lock:
         for s in range(0, len(keys), step):
@@ -308,9 +351,17 @@ def _scrubbed(res):
     ch = {f: v for f, v in ch.items() if v != getattr(res, f)}
     return replace(res, **ch) if ch else res
 
+_JSON = json.JSONDecoder()
+
 def _decode(cls, text:str):
-    d = json.loads(text)
-    return cls(**{n: d[n] for n in _field_names(cls) if n in d})
+    "A stored result as its dataclass; fields it does not know (written by a later version) are left out"
+    try: d, end = _JSON.scan_once(text, 0)        # the decoder's own scanner, without its checks for surrounding space
+    except StopIteration: end = -1
+    if end != len(text): d = _JSON.decode(text)     # not one compact JSON value (as `_dump` writes): the full decoder reads or refuses it
+    return cls(**d) if d.keys() <= _field_set(cls) else cls(**{n: d[n] for n in _field_names(cls) if n in d})
+
+@lru_cache(maxsize=None)
+def _field_set(cls)->frozenset: return frozenset(_field_names(cls))
 
 # %% ../../nbs/run/09_ledger.ipynb #5ca1e0e1
 import weakref
@@ -339,36 +390,41 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
     if chunk is not None and chunk < 1: raise ConfigError(f"chunk must be a positive number of requests, not {chunk}")
     identity = assert_no_secrets(backend.identity())
     ident_json, model = canonical_json(identity), str(identity.get("model", ""))
-    payloads = [canonical_json(request_payload(r)) for r in requests]
-    keys = [_key(ident_json, op, p) for p in payloads]
+    payloads = [_payload_json(r) for r in requests]
+    keys = _keys(ident_json, op, payloads)
     _remember_keys(requests, keys, ident_json, op)
-    at: dict[str, list[int]] = defaultdict(list)          # key -> positions of the requests that share it
-    for i, k in enumerate(keys): at[k].append(i)
-    found = ledger._lookup(at) if ledger is not None else {}
+    first: dict[str, int] = {}                            # key -> the first request that has it, in request order
+    for i, k in enumerate(keys): first.setdefault(k, i)
+    again: dict[str, list[int]] = defaultdict(list)       # key -> the later requests identical to its first (none, as a rule)
+    if len(first) < len(keys):
+        for i, k in enumerate(keys):
+            if first[k] != i: again[k].append(i)
+    found = ledger._lookup(first) if ledger is not None else {}
     write = ledger is not None and is_main_process()
     n, results = LedgerCounts(requests=len(requests)), [None] * len(requests)
     for k, v in found.items():
-        for i in at[k]: results[i] = _decode(res_cls, v)
-        n.cached += len(at[k])
-    missing = [k for k in at if k not in found]
+        results[first[k]] = _decode(res_cls, v)
+        for i in again.get(k, ()): results[i] = _decode(res_cls, v)
+        n.cached += 1 + len(again.get(k, ()))
+    missing = [k for k in first if k not in found]
     bar = tqdm(total=len(requests), initial=n.cached, desc=desc or f"{backend.name} {op}", unit="req", disable=not progress, leave=progress)
     try:
         step = chunk or max(len(missing), 1)
         for s in range(0, len(missing), step):
             part = missing[s:s+step]
             n.asked += len(part); done = set()
-            for j, res in getattr(backend, op)([requests[at[k][0]] for k in part]):
+            for j, res in getattr(backend, op)([requests[first[k]] for k in part]):
                 if not (0 <= j < len(part)) or j in done:
                     raise RuntimeError(f"{backend!r}.{op} yielded index {j!r} twice or out of range (0..{len(part)-1})")
-                done.add(j); k = part[j]; pos = at[k]
+                done.add(j); k = part[j]; i0, rest = first[k], again.get(k, ())
                 res = _scrubbed(res)
                 if failed(res): n.errors += 1
-                elif write: n.stored += ledger._insert([(k, op, model, ident_json, payloads[pos[0]], _dump(res), utc_now())])
-                results[pos[0]] = res
-                for i in pos[1:]: results[i] = copy.deepcopy(res)
-                n.shared += len(pos) - 1
+                elif write: n.stored += ledger._insert([(k, op, model, ident_json, payloads[i0], _dump(res), utc_now())])
+                results[i0] = res
+                for i in rest: results[i] = copy.deepcopy(res)
+                n.shared += len(rest)
                 note = getattr(backend, "progress_note", None)         # a cost meter: tokens, money spent, projected total
-                bar.update(len(pos)); bar.set_postfix_str(f"cached={n.cached} new={n.asked-n.errors} errors={n.errors}" + (f" {note()}" if callable(note) else ""), refresh=False)
+                bar.update(1 + len(rest)); bar.set_postfix_str(f"cached={n.cached} new={n.asked-n.errors} errors={n.errors}" + (f" {note()}" if callable(note) else ""), refresh=False)
             if len(done) < len(part):
                 raise RuntimeError(f"{backend!r}.{op} returned {len(done)} of {len(part)} results")
     finally:
@@ -401,13 +457,13 @@ def cached_score(backend:Backend,              # the model
 # %% ../../nbs/run/09_ledger.ipynb #e3a68a61
 @patch
 def stats(self:Ledger)->dict: # rows, rows by op and by identity model, distinct identities, schema version
-    "Row counts of the ledger"
-    with self._lock:
-        q = lambda sql: dict(self._conn.execute(sql).fetchall())
-        return {"path": str(self.path), "schema_version": self.version, "rows": len(self),
-                "by_op": q("SELECT op, COUNT(*) FROM responses GROUP BY op ORDER BY op"),
-                "by_model": q("SELECT model, COUNT(*) FROM responses GROUP BY model ORDER BY model"),
-                "identities": self._conn.execute("SELECT COUNT(DISTINCT identity) FROM responses").fetchone()[0]}
+    "Row counts of the ledger, from one pass over its rows"
+    with self._lock: groups = self._conn.execute("SELECT op, model, identity, COUNT(*) FROM responses GROUP BY op, model, identity").fetchall()
+    by_op, by_model = defaultdict(int), defaultdict(int)
+    for op, model, _, n in groups: by_op[op] += n; by_model[model] += n
+    return {"path": str(self.path), "schema_version": self.version, "rows": sum(n for *_, n in groups),
+            "by_op": dict(sorted(by_op.items())), "by_model": dict(sorted(by_model.items())),
+            "identities": len({identity for _, _, identity, _ in groups})}
 
 # %% ../../nbs/run/09_ledger.ipynb #bffc1ee4
 def _where(identity:dict|None, op:str|None)->tuple[str, list]:

@@ -14,7 +14,7 @@ import yaml
 from ..core import ConfigError, find_secret, repo_root, is_int
 from .config import RunConfig, config_error
 from ..models.base import model_spec
-from ..figures.plots import model_label
+
 
 # %% auto #0
 __all__ = ['LAUNCHES', 'ANALYSIS_KEYS', 'project_root', 'resolve_path', 'params_path', 'yaml_lines', 'read_yaml',
@@ -95,6 +95,7 @@ def default_label(model:str, # the model spec of an entry
     "The label a model entry gets when it gives none"
     own = model_spec(model).label                  # a control's label is its kind's own (the backend registry)
     if own is not None: return own
+    from medsafe_nb.figures.plots import model_label   # the plotting module (matplotlib) only when a label is made
     return model_label(model, None if reasoning_effort is None else str(reasoning_effort))
 
 # %% ../../nbs/run/15_params.ipynb #bd33adb3

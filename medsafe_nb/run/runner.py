@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import medsafe_nb
 from ..core import (utc_now, MedsafeError, ConfigError, atomic_write, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, STATUSES,
-                             repo_root, scrub_secrets, safe_url, write_manifest, clean_stale_tmp, exclusive_lock, MANIFEST,
+                             repo_root, scrub_secrets, secret_scrubber, safe_url, write_manifest, clean_stale_tmp, exclusive_lock, MANIFEST,
                              STOP, RunStopped)
 from ..items.schema import Item
 from ..protocols import build_prompts, EvalPrompt
@@ -52,24 +52,25 @@ def _prompt_ids(backend:Backend, op:str, requests:list)->list[str]:
     return known if known is not None else [request_key(identity, op, request_payload(r)) for r in requests]
 
 # %% ../../nbs/run/10_runner.ipynb #30fd4e52
-def _logged(p:EvalPrompt, prompt_id:str|None)->dict:
+def _logged(p:EvalPrompt, prompt_id:str|None, scrub=scrub_secrets)->dict:
     "One line of OUT/prompts.jsonl (`--log-prompts`): the rendered messages of a row, keyed by its prompt_id"
-    msgs = json.loads(scrub_secrets(json.dumps(list(p.messages), ensure_ascii=False)))
+    msgs = json.loads(scrub(json.dumps(list(p.messages), ensure_ascii=False)))
     return {"prompt_id": prompt_id, "item_id": p.item_id, "condition": p.condition, "target": p.target, "messages": msgs}
 
 # %% ../../nbs/run/10_runner.ipynb #09eb8f77
 def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, progress, prompt_log=None, samples:int=1):
     "Prediction rows of free generation: ask (through the ledger), then read each answer; K samples: K requests per prompt"
+    scrub = secret_scrubber()                           # the secret environment values, read once for all rows
     index = [None] if samples == 1 else list(range(samples))      # one reply: no sample index, so the key is the plain request's
     asked = [(p, s) for p in prompts for s in index]
     reqs = [GenRequest(p.messages, max_new_tokens, response_schema=p.response_schema, parts=p.parts, sample=s) for p, s in asked]
     gens = cached_generate(backend, reqs, ledger, desc=desc, progress=progress)
     rows = []
     for (p, s), g, pid in zip(asked, gens, _prompt_ids(backend, "generate", reqs)):
-        if prompt_log is not None: prompt_log.append(_logged(p, pid))
+        if prompt_log is not None: prompt_log.append(_logged(p, pid, scrub))
         pred, status = judge(p, g, items_by_id[p.item_id].options)
         rows.append({**_row(backend, items_by_id[p.item_id], p, pid), "pred": pred, "correct": pred == ",".join(p.gold), "status": status,
-                     "raw": scrub_secrets(g.text if status != "error" else (g.error or "")), "prompt_tokens": g.prompt_tokens,
+                     "raw": scrub(g.text if status != "error" else (g.error or "")), "prompt_tokens": g.prompt_tokens,
                      "completion_tokens": g.completion_tokens, "reasoning_tokens": g.reasoning_tokens, "latency_s": g.latency_s,
                      **({} if s is None else {"sample": s})})
     return rows
@@ -77,6 +78,7 @@ def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, 
 # %% ../../nbs/run/10_runner.ipynb #3f4708fa
 def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
     "Prediction rows of log-probability scoring: the most probable key, with p_gold and p_target"
+    scrub = secret_scrubber()                           # the secret environment values, read once for all rows
     scorable = [p for p in prompts if not p.multi]
     reqs = [ScoreRequest(p.messages, p.keys, parts=p.parts) for p in scorable]
     scores = cached_score(backend, reqs, ledger, desc=desc, progress=progress)
@@ -85,11 +87,11 @@ def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_lo
     for p in prompts:
         item = items_by_id[p.item_id]
         s, pid = by.get(id(p), (None, None))
-        if prompt_log is not None: prompt_log.append(_logged(p, pid))
+        if prompt_log is not None: prompt_log.append(_logged(p, pid, scrub))
         base = _row(backend, item, p, pid)
         if s is None or s.error:     # a multi-answer item has no single most probable key: no answer, by design (not a failed request)
             why = "logprob scoring picks one key; a multi-answer item has no single-key answer" if s is None else s.error
-            rows.append({**base, "pred": None, "correct": False, "status": "noanswer" if s is None else "error", "raw": scrub_secrets(why), "prompt_tokens": None,
+            rows.append({**base, "pred": None, "correct": False, "status": "noanswer" if s is None else "error", "raw": scrub(why), "prompt_tokens": None,
                          "completion_tokens": None, "latency_s": None, "p_gold": None, "p_target": None}); continue
         probs = key_probs(s.logprobs, p.keys)
         pred = max(p.keys, key=lambda k: (probs[k], -p.keys.index(k)))
@@ -103,6 +105,7 @@ def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_lo
 # %% ../../nbs/run/10_runner.ipynb #fa7e0b1c
 def _option_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
     "Prediction rows of option scoring: `acc` and `acc_norm` answers, with p_gold and p_target"
+    scrub = secret_scrubber()                           # the secret environment values, read once for all rows
     scorable = [p for p in prompts if not p.multi]
     texts = {id(p): tuple(items_by_id[p.item_id].options[k] for k in p.keys) for p in scorable}
     reqs = [ScoreRequest(p.messages, p.keys, prefix="", continuations=texts[id(p)], parts=p.parts) for p in scorable]
@@ -112,12 +115,12 @@ def _option_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_l
     for p in prompts:
         item = items_by_id[p.item_id]
         s, pid = by.get(id(p), (None, None))
-        if prompt_log is not None: prompt_log.append(_logged(p, pid))
+        if prompt_log is not None: prompt_log.append(_logged(p, pid, scrub))
         base = {**_row(backend, item, p, pid), "prompt_tokens": None, "completion_tokens": None, "latency_s": None,
                 "p_gold": None, "p_target": None, "pred_norm": None, "correct_norm": False}
         if s is None or s.error:
             why = "option scoring picks one option; a multi-answer item has no single-option answer" if s is None else s.error
-            rows.append({**base, "pred": None, "correct": False, "status": "noanswer" if s is None else "error", "raw": scrub_secrets(why)}); continue
+            rows.append({**base, "pred": None, "correct": False, "status": "noanswer" if s is None else "error", "raw": scrub(why)}); continue
         probs = key_probs(s.logprobs, p.keys)
         chars = dict(zip(p.keys, map(len, texts[id(p)])))
         per_char = {k: s.logprobs[k] / max(chars[k], 1) for k in p.keys}
@@ -425,7 +428,7 @@ def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
                                only_clean_correct=cfg.only_clean_correct, ledger=led, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
                                prompt=cfg.prompt, structured=cfg.structured, prompt_log=log, samples=cfg.samples)
         except RunStopped as e: stopped = e                              # a signal: what was answered is in the ledger
-        served = {**asdict(led.total), "ledger_rows": led.stats().get("rows")}
+        served = {**asdict(led.total), "ledger_rows": len(led)}
         if stopped is not None: df = answered_rows(items, backend, cfg, led)
     if backend is not model and stopped is None: df = search_columns(df, backend)   # calls, passages, drops, tokens and status per row
     df = with_costs(df, price, cfg.batch)                               # cost_usd per row, at the run's rates

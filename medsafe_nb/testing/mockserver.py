@@ -14,8 +14,8 @@ from ..protocols import CONTEXT_LABELS as _CONTEXT_LABELS, QUESTION_LABELS as _Q
 # %% auto #0
 __all__ = ['POLICIES', 'FAULT_KINDS', 'REPLY_STYLES', 'BATCH_FAULTS', 'user_text', 'ParsedPrompt', 'parse_prompt', 'choose_first',
            'choose_hash', 'choose_context', 'Fault', 'as_fault', 'FaultPlan', 'count_tokens', 'truncate_tokens',
-           'render_reply', 'render_reasoning', 'MockServer', 'mock_top_logprobs', 'mock_tool_call', 'multipart_file',
-           'main']
+           'render_reply', 'render_reasoning', 'MockServer', 'mock_top_logprobs', 'mock_token_logprob',
+           'mock_prompt_logprobs', 'mock_tool_call', 'multipart_file', 'main']
 
 # %% ../../nbs/testing/08a_mockserver.ipynb #d9278fd7
 def _content_text(content)->str:
@@ -337,6 +337,7 @@ def _route(self:MockServer, method, path, body, n, attempt, entry)->_Reply:
     if "/files" in path or "/batches" in path: return self._batch_route(method, path, body, entry)   # the Batch API (below)
     if method == "GET" and path.endswith("/models"):
         return _Reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "medsafe-mock"}]})
+    if method == "POST" and path.endswith("/completions") and not path.endswith("/chat/completions"): return mock_prompt_logprobs(body)
     if not (method == "POST" and path.endswith("/chat/completions")): return _error(404, f"no route for {method} {path}", "invalid_request_error")
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
         return _error(400, "the body must be a JSON object with a non-empty 'messages' list", "invalid_request_error")
@@ -375,6 +376,22 @@ def mock_top_logprobs(messages:list, key:str|None, options:dict, k:int)->list[di
     probs = ({key: 0.6} if key else {}) | {o: 0.36 * wi / sum(w) for o, wi in zip(others, w)} | {'"': 0.04}
     top = sorted(probs.items(), key=lambda kv: -kv[1])[:k]
     return [{"token": t, "logprob": math.log(p), "bytes": list(t.encode())} for t, p in top]
+
+# %% ../../nbs/testing/08a_mockserver.ipynb #e8f0a002
+def mock_token_logprob(before:list[int], token:int)->float:
+    "The mock's log-probability of `token` after the ids `before`: a hash, in [-4, -0.01)"
+    h = hashlib.sha256(f"{','.join(map(str, before))}|{token}".encode()).digest()
+    return -0.01 - 4 * int.from_bytes(h[:4], "big") / 2**32
+
+def mock_prompt_logprobs(body)->_Reply:
+    "A `/completions` reply with vLLM's `prompt_logprobs` for a prompt of token ids"
+    ids = body.get("prompt") if isinstance(body, dict) else None
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)) or body.get("prompt_logprobs") is None:
+        return _error(400, "the mock's /completions takes a prompt of token ids and prompt_logprobs", "invalid_request_error")
+    lps = [None] + [{str(t): {"logprob": mock_token_logprob(ids[:j], t), "rank": 1}} for j, t in enumerate(ids) if j]
+    return _Reply(200, {"object": "text_completion", "model": body.get("model"),
+                        "choices": [{"index": 0, "text": "", "finish_reason": "length", "prompt_logprobs": lps}],
+                        "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}})
 
 # %% ../../nbs/testing/08a_mockserver.ipynb #84956ae3
 def mock_tool_call(messages:list,         # the request's messages
