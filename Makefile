@@ -58,7 +58,7 @@ docs: $(STAMP) ## HTML site in _docs/: notebooks with outputs, analysis results,
 figures: $(STAMP) ## run the analysis notebooks with papermill (P=demo|smoke|paper) and write figures/; DRY=1: print the cost estimate only
 	$(if $(DRY),$(BIN)/medsafe estimate nbs/analysis/params/$(P).yaml,$(BIN)/medsafe figures --params nbs/analysis/params/$(P).yaml)
 
-bench: $(STAMP) $(HARNESS_VENV)/.bench ## one table, measured in one run: scoring, generation, API and vLLM against peers and the machine (BENCH_ARGS=--threads 1 on a busy machine)
+bench: $(STAMP) $(HARNESS_VENV)/.bench ## scoring, generation, end to end, API and vLLM against peers and the machine; then the real model (SmolLM2) against lm-eval and vLLM (BENCH_ARGS=--threads 1 on a busy machine)
 	$(BIN)/python bench/bench.py $(BENCH_ARGS)
 	$(BIN)/python bench/bench_real.py $(BENCH_ARGS)
 

@@ -14,7 +14,7 @@ import pandas as pd
 from .core import MedsafeError, ConfigError, ALL_CONDITIONS, STATUSES, atomic_write
 from .metrics.core import MetricsError, KEY_COLUMNS, SHOWN_METRICS, clean_correct, row_keys
 from .metrics.io import read_predictions
-from .metrics.paper import table1, breakdowns, cross_breakdown
+from .metrics.paper import table1, breakdowns, cross_breakdown, mean_models
 from .extract import extract_answer_detail
 from .protocols import build_prompts
 from .models.base import GenRequest, ScoreRequest
@@ -533,9 +533,12 @@ def _tables(preds:pd.DataFrame, n_boot:int, seed:int)->tuple[pd.DataFrame, pd.Da
     sets = preds.groupby("model", sort=False).item_id.agg(frozenset)
     over = "all" if len(set(sets)) == 1 else "shared"
     try:
-        return (table1(preds, n_boot=n_boot, seed=seed, mean_row=True, mean_over=over),
-                breakdowns(preds, n_boot=n_boot, seed=seed, mean_row=True, mean_over=over),
-                "" if over == "all" else "the Mean rows are over the items every model answered")
+        t1 = table1(preds, n_boot=n_boot, seed=seed, mean_row=True, mean_over=over)
+        note = "" if over == "all" else "the Mean rows are over the items every model answered"
+        if not t1.model.astype(str).str.startswith("Mean").any():
+            note = (f"no Mean row: it averages two or more distinct language models, and these runs hold {len(mean_models(preds))} "
+                    "(controls, baselines, a second scoring of one model and its acc_norm reading are not averaged)")
+        return t1, breakdowns(preds, n_boot=n_boot, seed=seed, mean_row=True, mean_over=over), note
     except MetricsError as e:
         return (table1(preds, n_boot=n_boot, seed=seed), breakdowns(preds, n_boot=n_boot, seed=seed, mean_row=False),
                 f"no Mean row: {e}")
