@@ -76,18 +76,23 @@ def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, 
     return rows
 
 # %% ../../nbs/run/10_runner.ipynb #3f4708fa
-def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
-    "Prediction rows of log-probability scoring: the most probable key, with p_gold and p_target"
+def _scored_prompts(backend, items_by_id, prompts, ledger, desc, progress, prompt_log, request):
+    "Each prompt with its item, its Scores (None: a multi-answer item, not asked), its prompt_id and the run's scrubber; single-answer prompts scored through the ledger as `request(p)`"
     scrub = secret_scrubber()                           # the secret environment values, read once for all rows
     scorable = [p for p in prompts if not p.multi]
-    reqs = [ScoreRequest(p.messages, p.keys, parts=p.parts) for p in scorable]
+    reqs = [request(p) for p in scorable]
     scores = cached_score(backend, reqs, ledger, desc=desc, progress=progress)
     by = dict(zip([id(p) for p in scorable], zip(scores, _prompt_ids(backend, "score", reqs))))
-    rows = []
     for p in prompts:
-        item = items_by_id[p.item_id]
         s, pid = by.get(id(p), (None, None))
         if prompt_log is not None: prompt_log.append(_logged(p, pid, scrub))
+        yield p, items_by_id[p.item_id], s, pid, scrub
+
+def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
+    "Prediction rows of log-probability scoring: the most probable key, with p_gold and p_target"
+    rows = []
+    for p, item, s, pid, scrub in _scored_prompts(backend, items_by_id, prompts, ledger, desc, progress, prompt_log,
+                                                  lambda p: ScoreRequest(p.messages, p.keys, parts=p.parts)):
         base = _row(backend, item, p, pid)
         if s is None or s.error:     # a multi-answer item has no single most probable key: no answer, by design (not a failed request)
             why = "logprob scoring picks one key; a multi-answer item has no single-key answer" if s is None else s.error
@@ -105,17 +110,10 @@ def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_lo
 # %% ../../nbs/run/10_runner.ipynb #fa7e0b1c
 def _option_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
     "Prediction rows of option scoring: `acc` and `acc_norm` answers, with p_gold and p_target"
-    scrub = secret_scrubber()                           # the secret environment values, read once for all rows
-    scorable = [p for p in prompts if not p.multi]
-    texts = {id(p): tuple(items_by_id[p.item_id].options[k] for k in p.keys) for p in scorable}
-    reqs = [ScoreRequest(p.messages, p.keys, prefix="", continuations=texts[id(p)], parts=p.parts) for p in scorable]
-    scores = cached_score(backend, reqs, ledger, desc=desc, progress=progress)
-    by = dict(zip([id(p) for p in scorable], zip(scores, _prompt_ids(backend, "score", reqs))))
+    texts = {id(p): tuple(items_by_id[p.item_id].options[k] for k in p.keys) for p in prompts if not p.multi}
     rows = []
-    for p in prompts:
-        item = items_by_id[p.item_id]
-        s, pid = by.get(id(p), (None, None))
-        if prompt_log is not None: prompt_log.append(_logged(p, pid, scrub))
+    for p, item, s, pid, scrub in _scored_prompts(backend, items_by_id, prompts, ledger, desc, progress, prompt_log,
+                                                  lambda p: ScoreRequest(p.messages, p.keys, prefix="", continuations=texts[id(p)], parts=p.parts)):
         base = {**_row(backend, item, p, pid), "prompt_tokens": None, "completion_tokens": None, "latency_s": None,
                 "p_gold": None, "p_target": None, "pred_norm": None, "correct_norm": False}
         if s is None or s.error:
