@@ -9,9 +9,12 @@ NPROC  ?= 2
 VLLM_VENV ?= .venv-vllm
 HARNESS_VENV ?= .venv-harness
 BENCH_ARGS ?=
+LAB_PORT ?= 8888
+LAB_ROOT ?= $(CURDIR)
+LAB_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: harness-env browser help install test test-nbs test-py test-integration check readme docs figures bench clean vllm
+.PHONY: harness-env browser help install lab test test-nbs test-py test-integration check readme docs figures bench clean vllm
 
 help: ## list the verbs
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -38,14 +41,17 @@ test-py: $(STAMP)
 test-integration: $(STAMP) ## the end-to-end suite: vLLM server, Chromium, harness venv, papermill, kill -9 trials, torchrun
 	$(BIN)/python -m pytest -q -m integration tests
 
-check: $(STAMP) ## prove notebooks and medsafe_nb/ agree: nbdev_clean + nbdev_export leave no git diff
+check: $(STAMP) ## prove notebooks and medsafe_nb/ agree (nbdev_clean + nbdev_export leave no git diff) and lint them with ruff (ruff.toml)
 	$(BIN)/nbdev_clean
 	$(BIN)/nbdev_export
 	@git diff --exit-code --stat -- nbs medsafe_nb || { echo "make check: notebooks and modules disagree (see diff above)"; exit 1; }
 	@test -z "$$(git status --porcelain --untracked-files=all -- medsafe_nb)" || { git status --short -- medsafe_nb; echo "make check: untracked generated modules"; exit 1; }
-	@echo "make check: notebooks and modules agree"
+	$(BIN)/ruff check --quiet .
+	@echo "make check: notebooks and modules agree, ruff finds nothing"
 
-readme: $(STAMP) ## regenerate README.md from nbs/index.ipynb (nbconvert, no code shown)
+readme: $(STAMP) ## regenerate README.md from nbs/index.ipynb: its cells run first (they show tables from figures/), then nbconvert writes it without code
+	$(BIN)/jupyter nbconvert --log-level=WARN --to notebook --execute --inplace nbs/index.ipynb
+	$(BIN)/nbdev_clean --fname nbs/index.ipynb
 	$(BIN)/jupyter nbconvert --log-level=WARN --to markdown --no-input --output-dir . --output README nbs/index.ipynb
 	@sed -i -e :a -e '/^\n*$$/{$$d;N;ba' -e '}' README.md
 
@@ -54,6 +60,14 @@ readme: $(STAMP) ## regenerate README.md from nbs/index.ipynb (nbconvert, no cod
 docs: $(STAMP) ## HTML site in _docs/: notebooks with outputs, analysis results, design page
 	@rm -rf _docs
 	$(BIN)/python tools/render_docs.py --params $(P) --run-figures --out _docs
+
+# JupyterLab from .venv: its python3 kernel is the venv's (JUPYTER_PREFER_ENV_PATH: before any user-wide kernel of that
+# name); tools/jupyter_lab_config.py cleans every notebook it saves as `make check` wants it (analysis notebooks without outputs).
+# As root (a container), JupyterLab needs allow_root.
+lab: $(STAMP) ## JupyterLab on the project's kernel, opened on nbs/ (LAB_PORT=8888): open an analysis notebook, change its parameters cell, run all
+	JUPYTER_PREFER_ENV_PATH=1 PATH="$(abspath $(BIN)):$$PATH" $(BIN)/jupyter lab --config=tools/jupyter_lab_config.py \
+	  --ServerApp.root_dir="$(LAB_ROOT)" --LabApp.default_url=/lab/tree/nbs --ServerApp.port=$(LAB_PORT) \
+	  $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True) $(LAB_ARGS)
 
 figures: $(STAMP) ## run the analysis notebooks with papermill (P=demo|smoke|paper) and write figures/; DRY=1: print the cost estimate only
 	$(if $(DRY),$(BIN)/medsafe estimate nbs/analysis/params/$(P).yaml,$(BIN)/medsafe figures --params nbs/analysis/params/$(P).yaml)

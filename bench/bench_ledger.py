@@ -7,7 +7,8 @@ from pathlib import Path
 
 from medsafe_nb.models.base import Backend, GenRequest, Generation
 from medsafe_nb.core import utc_now
-from medsafe_nb.run.ledger import Ledger, cached_generate, canonical_json, request_payload, _key, _dump
+from medsafe_nb.models.identity import canonical_json, key_of, request_payload
+from medsafe_nb.run.ledger import Ledger, cached_generate, _dump
 
 IDENTITY = {"kind": "bench", "model": "instant", "temperature": 0, "max_new_tokens": 2048}
 SYSTEM = "You are a medical expert. Answer the multiple-choice question. " * 4   # ~250 characters, like the real prompts
@@ -36,7 +37,7 @@ def rows_for(reqs):
     out = []
     for r in reqs:
         p = canonical_json(request_payload(r))
-        out.append((_key(ident, "generate", p), "generate", "instant", ident, p, res, utc_now()))
+        out.append((key_of(ident, "generate", p), "generate", "instant", ident, p, res, utc_now()))
     return out
 
 
@@ -87,7 +88,7 @@ def main():
     a, b = sizes
     print(f"\n100k vs 10k: inserts {b['insert_row']/a['insert_row']:.2f}x, batched lookups {b['lookup_batch']/a['lookup_batch']:.2f}x the rate")
     print(f"batched vs one-by-one lookups at 100k: {b['lookup_batch']/b['lookup_one']:.1f}x; one txn vs commit-each inserts: {b['insert_bulk']/b['insert_row']:.1f}x")
-    print(f"\n10,000 requests to an instant backend:")
+    print("\n10,000 requests to an instant backend:")
     print(f"  no ledger (ask, keep nothing)      {t_plain:7.3f} s")
     print(f"  first run (ask all, commit each)   {t_ask:7.3f} s   ledger overhead {1e6*(t_ask-t_plain)/10_000:.0f} us/request")
     print(f"  rerun (all 10,000 from the ledger) {t_cached:7.3f} s   {t_ask/t_cached:.1f}x faster than the first run")

@@ -22,7 +22,7 @@ Nothing is asserted; the table says which targets are met.
 
 `--quick` builds 3 runs of 600 items (a minute) to check the script end to end.
 """
-import argparse, hashlib, json, os, random, shutil, subprocess, sys, tempfile, time
+import argparse, hashlib, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ On one GPU (H200: torch 2.11, transformers 5.17, accelerate 1.15; no network, no
 
 `--small` (and any machine without CUDA) uses a small shape in float32, to check the script itself on a CPU.
 """
-import argparse, json, math, os, shutil, subprocess, sys, tempfile, time
+import argparse, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 import torch

@@ -25,4 +25,5 @@ def __getattr__(name:str):
         return getattr(importlib.import_module(f"medsafe_nb.{PUBLIC_API[name]}"), name)
     raise AttributeError(f"module 'medsafe_nb' has no attribute {name!r}")
 
+# %% ../nbs/19_public.ipynb #a947e65d
 def __dir__(): return sorted([*globals(), *PUBLIC_API])

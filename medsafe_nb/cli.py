@@ -15,9 +15,9 @@ from .metrics.core import SHOWN_METRICS
 
 # %% auto #0
 __all__ = ['app', 'COMPACT', 'review_app', 'export_app', 'ledger_app', 'compact_table1', 'validate', 'run_options', 'run_cmd',
-           'run_summary', 'metrics', 'build', 'audit', 'figures', 'estimate', 'review_export', 'review_import',
-           'review_report_cmd', 'review_judge', 'show', 'report_cmd', 'export_lm_eval_cmd', 'ledger_check',
-           'ledger_salvage', 'main']
+           'run_summary', 'metrics', 'build', 'rewrite', 'audit', 'figures', 'estimate', 'review_export',
+           'review_import', 'review_report_cmd', 'review_judge', 'show', 'report_cmd', 'export_lm_eval_cmd',
+           'ledger_check', 'ledger_salvage', 'main']
 
 # %% ../nbs/14_cli.ipynb #3b0646a4
 app = typer.Typer(name="medsafe", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -28,10 +28,12 @@ def _version(show:bool):
     if show:
         import medsafe_nb; typer.echo(f"medsafe_nb {medsafe_nb.__version__}"); raise typer.Exit()
 
+# %% ../nbs/14_cli.ipynb #37cb264b
 @app.callback()
 def _root(version:bool=typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit")):
     "MedMisBench in a notebook-first toolkit: validate data, run models, compute metrics, build benchmarks."
 
+# %% ../nbs/14_cli.ipynb #80abe53d
 def _fail(e:Exception, code:int=2):
     typer.echo(f"medsafe: {e}", err=True); raise typer.Exit(code)
 
@@ -91,15 +93,18 @@ def run_cmd(**options):
     """Run a model on MedMisBench; writes OUT/predictions.parquet, OUT/run.json and OUT/manifest.json (resumable: rerun to continue).
 
     Exit codes: 0 all rows answered; 1 everything written, but rows ended in error or the non-ok share exceeds
-    --max-error-rate; 2 bad input or configuration; 3 no server at --base-url, or the server stopped answering;
+    --max-error-rate; 2 bad input or configuration; 3 no server at --base-url, or the server stopped answering, or open batches
+    outlived --batch-wait-s;
     130 / 143 stopped by Ctrl-C (SIGINT) / SIGTERM after a graceful stop: the answers received are kept, the folder is
     not committed (no manifest), and the same command resumes (--stop-grace-s: seconds for requests in flight);
-    4 --max-cost reached: the next request could have crossed it (the answers received are kept in the ledger; rerun with a
-    larger budget to continue). --dry-run prints the estimate (prompts, tokens, cost) and asks no model anything."""
+    4 --max-cost reached: the next request could have crossed it (the cap is the run folder's total across reruns; the answers
+    received are kept in the ledger; rerun with a larger budget to continue). --dry-run prints the estimate (prompts, tokens, cost) and asks no model anything."""
     import pandas as pd
-    from medsafe_nb.run.runner import run, run_outcome, ServerUnavailable, EXIT_UNAVAILABLE, EXIT_BUDGET
+    from medsafe_nb.run.runner import run
+    from medsafe_nb.run.process import run_outcome, ServerUnavailable, EXIT_UNAVAILABLE, EXIT_BUDGET
     from medsafe_nb.run.cost import BudgetReached, estimate_run, estimate_table
     from medsafe_nb.core import RunStopped
+    from medsafe_nb.models.batch import BatchTimeout
     revision = options.pop("revision", None)
     if revision is not None:
         typer.echo("medsafe run: --revision is deprecated (it named the data's revision); use --data-revision", err=True)
@@ -108,7 +113,7 @@ def run_cmd(**options):
         cfg = RunConfig(**options)
         if cfg.dry_run: typer.echo(estimate_table(pd.DataFrame([estimate_run(cfg)]))); return
         df = run(cfg)
-    except ServerUnavailable as e: _fail(e, EXIT_UNAVAILABLE)
+    except (ServerUnavailable, BatchTimeout) as e: _fail(e, EXIT_UNAVAILABLE)
     except BudgetReached as e: _fail(e, EXIT_BUDGET)
     except RunStopped as e: _fail(e, e.exit_code)                       # 130 / 143, as shells report the signal
     except MedsafeError as e: _fail(e)
@@ -126,7 +131,7 @@ def run_summary(df, cfg:RunConfig)->str:
     from medsafe_nb.metrics.paper import table1
     lines = [f"{df['model'].iloc[0] if len(df) else cfg.model}: {df['item_id'].nunique()} items, {len(df)} rows -> {cfg.out}/predictions.parquet",
              "statuses: " + ", ".join(f"{s} {n}" for s, n in df["status"].value_counts().items())]
-    from medsafe_nb.run.runner import first_errors
+    from medsafe_nb.run.process import first_errors
     lines += [f"  error: {m}" for m in first_errors(df)]
     scope = "clean-correct only" if cfg.only_clean_correct else "all items"      # as `metrics.read_predictions` reads it from run.json
     try: lines.append(compact_table1(table1(df.assign(scope=scope), n_boot=1000, seed=cfg.seed)))
@@ -174,11 +179,32 @@ def build(source:str=typer.Option(..., help="KIND:PATH of a question pool (kinds
           reject_artefacts:bool=typer.Option(False, "--reject-artefacts", help="reject items whose true sentence stands out to the audit's context-only probes (reported either way)")):
     "Build a misleading-context benchmark from raw question pools (gate → generation → validation → export); resumable"
     from medsafe_nb.construct.build import build_command
-    try: rec = build_command(source=source, generator=generator, out=out, limit=limit, seed=seed, base_url=base_url, verifier=verifier,
-                             verifier_base_url=verifier_base_url, retries=retries, wave_size=wave_size, max_new_tokens=max_new_tokens, progress=progress,
-                             assign=assign, provenance_targets=provenance_targets, reject_artefacts=reject_artefacts)
+    try: build_command(source=source, generator=generator, out=out, limit=limit, seed=seed, base_url=base_url, verifier=verifier,
+                       verifier_base_url=verifier_base_url, retries=retries, wave_size=wave_size, max_new_tokens=max_new_tokens, progress=progress,
+                       assign=assign, provenance_targets=provenance_targets, reject_artefacts=reject_artefacts)
     except MedsafeError as e: _fail(e)
     typer.echo(f"wrote {out}/benchmark.jsonl, {out}/composition.md, {out}/decisions.jsonl, {out}/build.json")
+
+# %% ../nbs/14_cli.ipynb #62f17d5c
+@app.command()
+def rewrite(data:str=typer.Argument(..., help="release file or folder, or 'sample'"),
+            generator:str=typer.Option(..., help="model spec of the model that rewrites (any backend)"),
+            out:str=typer.Option(..., "--out", "-o", help="release file to write (.jsonl .csv .parquet); NAME.decisions.jsonl, NAME.rewrite.json and NAME.ledger.sqlite go beside it"),
+            voice:str=typer.Option("colloquial", help="the voice: colloquial (a patient typing into a forum or a chat), framing Patient (colloquial)"),
+            base_url:Optional[str]=typer.Option(None, "--base-url", help="OpenAI-compatible server for the generator"),
+            verifier:Optional[str]=typer.Option(None, help="optional second model that judges whether each rewrite keeps its original's claim"),
+            verifier_base_url:Optional[str]=typer.Option(None, "--verifier-base-url", help="server for the verifier (default: --base-url)"),
+            retries:int=typer.Option(2, help="extra attempts after an unusable reply"),
+            max_new_tokens:Optional[int]=typer.Option(None, help="output cap of every rewrite request (default: 160 + 128 per misleading sentence)"),
+            limit:Optional[int]=typer.Option(None, help="rewrite the first N items only"),
+            ledger:Optional[str]=typer.Option(None, help="response ledger (default: NAME.ledger.sqlite beside --out); a rerun asks nothing twice"),
+            rewrites_only:bool=typer.Option(False, "--rewrites-only", help="write only the rewrites (default: each item followed by its rewrite)"),
+            progress:bool=typer.Option(True, "--progress/--no-progress", help="tqdm progress bars")):
+    "Rewrite each item's misleading sentences into a patient's own words (the claim kept and checked), as the framing Patient (colloquial)"
+    from medsafe_nb.construct.rewrite_release import rewrite_command
+    try: rewrite_command(data, generator, out, voice=voice, base_url=base_url, verifier=verifier, verifier_base_url=verifier_base_url,
+                         retries=retries, max_new_tokens=max_new_tokens, limit=limit, ledger=ledger, rewrites_only=rewrites_only, progress=progress)
+    except MedsafeError as e: _fail(e)
 
 # %% ../nbs/14_cli.ipynb #b1db7de1
 @app.command()
@@ -325,21 +351,26 @@ app.add_typer(ledger_app, name="ledger")
 
 @ledger_app.command("check")
 def ledger_check(path:str=typer.Argument(..., help="the ledger file (e.g. OUT/ledger.sqlite)")):
-    "Check, read-only, that a ledger is intact: rows by op (exit 0), or what is damaged (exit 1)"
-    from medsafe_nb.run.ledger import Ledger, LedgerError, ledger_damage, recognise_ledger
+    "Check, read-only, every row of a ledger as a run reads it: rows by op (exit 0), or what is damaged or unreadable (exit 1)"
+    from medsafe_nb.run.ledger_file import LedgerError, SALVAGE_HINT
+    from medsafe_nb.run.salvage import check_ledger
+    if Path(path).is_dir(): _fail(f"{path}: a folder, not a ledger file (a run keeps its ledger as OUT/ledger.sqlite)")
     if not Path(path).is_file(): _fail(f"{path}: no such ledger file")
-    try: recognise_ledger(path)
+    try: r = check_ledger(path)
     except LedgerError as e: _fail(e, 1)
-    con = __import__("sqlite3").connect(Path(path).resolve().as_uri() + "?mode=ro", uri=True)
-    try: by_op = dict(con.execute("SELECT op, COUNT(*) FROM responses GROUP BY op ORDER BY op").fetchall())
-    finally: con.close()
-    typer.echo(f"{path}: intact, {sum(by_op.values())} responses" + "".join(f", {n} {op}" for op, n in by_op.items()))
+    if r["empty"]: typer.echo(f"{path}: an empty file: no ledger yet (a run given --ledger {path} starts one there)"); return
+    if r["unreadable"]:
+        rows = ", ".join(f"row {i} ({why})" for i, why in r["examples"])
+        _fail(f"{path}: {r['unreadable']} of {r['rows']} responses cannot be read as a run reads them: {rows}; "
+              + SALVAGE_HINT.format(path=path) + " (unreadable rows are left out and asked again)", 1)
+    typer.echo(f"{path}: intact, {r['rows']} responses" + "".join(f", {n} {op}" for op, n in r["by_op"].items()))
 
+# %% ../nbs/14_cli.ipynb #7942ba35
 @ledger_app.command("salvage")
 def ledger_salvage(path:str=typer.Argument(..., help="the damaged ledger (only read, never changed)"),
                    out:str=typer.Option(..., "--out", "-o", help="the new ledger to write (must not exist)")):
     "Copy every readable, self-consistent response of a damaged ledger into a new ledger; then run with --ledger OUT"
-    from medsafe_nb.run.ledger import salvage_ledger
+    from medsafe_nb.run.salvage import salvage_ledger
     try: r = salvage_ledger(path, out)
     except MedsafeError as e: _fail(e)
     bad = r["unreadable_rowid_ranges"]

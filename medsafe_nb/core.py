@@ -10,14 +10,16 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit, parse_qsl, urlencode
 
 # %% auto #0
-__all__ = ['SPLITS', 'CONDITIONS', 'EXTRA_CONDITIONS', 'CONTROL_CONDITIONS', 'ALL_CONDITIONS', 'STATUSES', 'SEARCH_STATUSES',
-           'SCORINGS', 'MITIGATIONS', 'ENGINES', 'ANSWER_PREFIX', 'SEARCH_SOURCES', 'WEB_SEARCH', 'SEARCH_SPECS',
-           'SEARCH_MODES', 'EVIDENCE_POSITIONS', 'PROMPTS', 'EFFORTS', 'THINK_OPEN', 'THINK_CLOSE', 'SECRET_VALUES',
+__all__ = ['SPLITS', 'CONDITIONS', 'EXTRA_CONDITIONS', 'CONTROL_CONDITIONS', 'FRAME_CONDITIONS', 'FOLLOWUP_CONDITIONS',
+           'ALL_CONDITIONS', 'STATUSES', 'SEARCH_STATUSES', 'SCORINGS', 'MITIGATIONS', 'FORMATS', 'DELIVERIES',
+           'ENGINES', 'ANSWER_PREFIX', 'SEARCH_SOURCES', 'WEB_SEARCH', 'SEARCH_SPECS', 'SEARCH_MODES',
+           'EVIDENCE_POSITIONS', 'PROMPTS', 'STRUCTURED', 'EFFORTS', 'THINK_OPEN', 'THINK_CLOSE', 'SECRET_VALUES',
            'SECRET_NAMES', 'SECRET_ENV', 'MANIFEST', 'STOP', 'MedsafeError', 'ConfigError', 'AnalysisError',
-           'SchemaError', 'LabelError', 'ValidationErrors', 'search_spec_problem', 'stable_hash', 'is_int', 'utc_now',
-           'repo_root', 'DiskFull', 'atomic_write', 'strip_think', 'find_secret', 'secret_env_values', 'scrub_secrets',
-           'secret_scrubber', 'safe_url', 'file_sha256', 'write_manifest', 'check_manifest', 'clean_stale_tmp',
-           'LockedError', 'exclusive_lock', 'RunStopped', 'StopRequest']
+           'SchemaError', 'LabelError', 'ValidationErrors', 'search_spec_problem', 'structured_mode', 'stable_hash',
+           'is_int', 'utc_now', 'repo_root', 'yaml_lines', 'read_yaml', 'DiskFull', 'atomic_write', 'strip_think',
+           'find_secret', 'secret_env_values', 'scrub_secrets', 'secret_scrubber', 'safe_url', 'file_sha256',
+           'write_manifest', 'check_manifest', 'clean_stale_tmp', 'LockedError', 'exclusive_lock', 'RunStopped',
+           'StopRequest']
 
 # %% ../nbs/00_core.ipynb #0efe9831
 class MedsafeError(Exception):
@@ -70,7 +72,9 @@ SPLITS = ("MEDMISQA", "MEDMISMCQA", "MEDMISXPERTQA", "MEDMISJOURNEY", "MEDMISHLE
 CONDITIONS = ("clean", "type1", "type2")               # the paper's three conditions
 EXTRA_CONDITIONS = ("type1_all", "type2_shuffled")     # every wrong target; Type 2 in a seeded order (position control)
 CONTROL_CONDITIONS = ("type1_true", "type1_placebo")  # the gold option's true sentence alone; an unrelated sentence from another item
-ALL_CONDITIONS = CONDITIONS + EXTRA_CONDITIONS + CONTROL_CONDITIONS
+FRAME_CONDITIONS = ("clean_framed",)                   # the clean question under the context frame (how much of an ASR is the frame)
+FOLLOWUP_CONDITIONS = ("type1_pushback",)              # the Type 1 sentence as the user's objection to the model's own clean answer
+ALL_CONDITIONS = CONDITIONS + EXTRA_CONDITIONS + CONTROL_CONDITIONS + FRAME_CONDITIONS + FOLLOWUP_CONDITIONS
 
 # %% ../nbs/00_core.ipynb #d4cd5319
 STATUSES = ("ok", "noanswer", "truncated", "refused", "error")  # how a reply ended, in the predictions table
@@ -81,7 +85,9 @@ SEARCH_STATUSES = ("ok", "no_evidence", "evidence_limit", "tool_limit", "search_
 
 # %% ../nbs/00_core.ipynb #18bb297e
 SCORINGS = ("generate", "logprob", "options")          # free reply and extraction, option-key log-probabilities, option-text likelihoods (lm-eval multiple_choice)
-MITIGATIONS = ("none", "warning", "search", "warning+search")  # defences a run can switch on (search: see medsafe_nb.mitigate.defences)
+MITIGATIONS = ("none", "warning", "search", "warning+search", "claim-check", "consistency")  # defences a run can switch on (search: medsafe_nb.mitigate.defences; claim-check and consistency: follow-up requests, medsafe_nb.run.runner)
+FORMATS = ("mcq", "open")                              # the options shown (the paper) | not shown: a free-text reply, graded to an option or none
+DELIVERIES = ("inline", "dialogue")                    # the context before the question | in an earlier user turn, in its framing's voice
 ENGINES = ("inprocess", "vllm")                        # how an hf: model runs: in this process, or behind a vLLM server
 
 # %% ../nbs/00_core.ipynb #d5dd6fc8
@@ -102,7 +108,15 @@ def search_spec_problem(spec:str)->str|None:
     return f"unknown search provider {spec!r}; known: {SEARCH_SPECS}"
 
 # %% ../nbs/00_core.ipynb #8f7cbb79
-PROMPTS = ("paper", "compact")                         # prompt protocols: the paper's (reason, then JSON) and the short one
+PROMPTS = ("paper", "controlled", "compact")           # the shipped prompt protocols (medsafe_nb/resources/protocols); any other is a file
+STRUCTURED = ("auto", "strict", "off")                 # reply shaping: the protocol's per provider | the strict enum schema | none
+
+def structured_mode(v)->str:
+    "A `structured` setting as one of STRUCTURED (None is auto; true and false are strict and off)"
+    if v is None: return "auto"
+    if isinstance(v, bool): return "strict" if v else "off"
+    if v in STRUCTURED: return v
+    raise ConfigError(f"structured: unknown value {v!r}; use {', '.join(STRUCTURED)}")
 
 # %% ../nbs/00_core.ipynb #182b8c14
 EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning efforts, lowest first (every provider maps all five)
@@ -134,6 +148,40 @@ def repo_root(of:str="either", # cwd: the checkout holding the working directory
             if (d/"settings.ini").exists() and (d/"medsafe_nb").is_dir(): return d
     return None
 
+# %% ../nbs/00_core.ipynb #dc7f0506
+def yaml_lines(text:str, # a YAML document
+              )->dict:   # {key path: 1-based line} of every mapping key and list element
+    "The line of every mapping key and list element of a YAML text, by path"
+    import yaml
+    out = {}
+    def walk(node, path):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                p = path + (k.value,); out[p] = k.start_mark.line + 1; walk(v, p)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                p = path + (i,); out[p] = v.start_mark.line + 1; walk(v, p)
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is not None: walk(node, ())
+    return out
+
+# %% ../nbs/00_core.ipynb #b6354666
+def read_yaml(path:str|Path,              # a YAML file that holds one mapping
+              what:str="params file",     # what it is, for error messages
+             )->tuple[dict, dict]:        # (the mapping, its `yaml_lines`)
+    "Read a YAML file as a mapping, with the line of every key; errors name the file and line"
+    import yaml
+    path = Path(path)
+    try: text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e: raise ConfigError(f"{path}: cannot read the {what} ({getattr(e, 'strerror', None) or e})") from None
+    try: raw, lines = yaml.safe_load(text), yaml_lines(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{path}:{mark.line + 1 if mark else '?'}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if raw is None: raw = {}
+    if not isinstance(raw, dict): raise ConfigError(f"{path}: expected a mapping of names to values, got {type(raw).__name__}")
+    return raw, lines
+
 # %% ../nbs/00_core.ipynb #4b5442c2
 class DiskFull(MedsafeError, OSError):
     "No space left where a file was being written; the file that was there before is left whole"
@@ -141,11 +189,13 @@ class DiskFull(MedsafeError, OSError):
         super().__init__(f"{path}: no space left on the device ({err.strerror or err}); nothing half-written was kept: "
                          "free space and run the same command again")
 
+# %% ../nbs/00_core.ipynb #ccd6938e
 def _no_space(e:OSError)->bool:
     "ENOSPC / EDQUOT, also from libraries (pyarrow) that keep the errno only in the message"
     import errno
     return e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
 
+# %% ../nbs/00_core.ipynb #b147309a
 def atomic_write(path:str|os.PathLike, # the file to write
                  write_fn,             # `write_fn(tmp_path)` writes the whole content to `tmp_path`
                 )->Path:               # `path`
@@ -239,6 +289,7 @@ def secret_env_values()->list[str]:
     "The values of every secret-named environment variable that is set (provider keys, HF_TOKEN, any *_API_KEY / *_TOKEN)"
     return [v for k, v in os.environ.items() if SECRET_ENV.fullmatch(k) and v and len(v) >= 4]
 
+# %% ../nbs/00_core.ipynb #91c144ae
 def scrub_secrets(text:str,       # any text: an error message, a log line, a reply
                   secrets=(),     # literal secret values to remove as well (e.g. the key in use)
                   env:bool=True,  # also the values of secret environment variables, read now (False: `secrets` holds them)
@@ -250,6 +301,7 @@ def scrub_secrets(text:str,       # any text: an error message, a log line, a re
     for pat, rep in _SCRUB: text = pat.sub(rep, text)
     return text
 
+# %% ../nbs/00_core.ipynb #20bdf6ca
 def secret_scrubber(secrets=())->Callable[[str], str]:
     "`scrub_secrets` with the secret environment values read once: for the many texts of one pass (a run's rows)"
     held = (*secrets, *secret_env_values())
@@ -321,6 +373,7 @@ def clean_stale_tmp(folder:str|os.PathLike)->list[Path]: # the files removed
 class LockedError(MedsafeError):
     "Another process holds the lock of a folder or ledger"
 
+# %% ../nbs/00_core.ipynb #0d7b8285
 class exclusive_lock:
     "Hold an exclusive advisory lock on `path` (created if missing) for a `with` block; a second holder is refused naming the first's PID"
     def __init__(self, path:str|os.PathLike, # the lock file, e.g. OUT/.medsafe.lock

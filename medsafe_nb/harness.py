@@ -50,8 +50,10 @@ def _require_inspect():
     try: import inspect_ai  # noqa: F401
     except ImportError: raise _core.MedsafeError("the inspect_ai task needs inspect-ai: pip install 'medsafe_nb[inspect]' (or inspect-ai)") from None
 
+# %% ../nbs/18_harness.ipynb #1272e05e
 _STOP_REASONS = {"max_tokens": "length", "model_length": "length", "content_filter": "refused"}
 
+# %% ../nbs/18_harness.ipynb #7235e8dd
 def scores_to_predictions(scores:list, # inspect `SampleScore`s from the medmisbench scorer
                          )->pd.DataFrame: # a predictions table (model `inspect`)
     "The predictions table that a list of medmisbench sample scores stands for"
@@ -64,8 +66,9 @@ def scores_to_predictions(scores:list, # inspect `SampleScore`s from the medmisb
                      "status": smd.get("status", "noanswer")})
     return pd.DataFrame(rows)
 
+# %% ../nbs/18_harness.ipynb #f01ddb10
 def _table1_metric(column:str):
-    "An inspect metric reporting one column of `paper_tables.table1` over the scores"
+    "An inspect metric reporting one column of `metrics.paper.table1` over the scores"
     from inspect_ai.scorer import metric
     def factory():
         def compute(scores:list)->float:   # annotated (not list[Score]), so inspect passes SampleScores
@@ -84,11 +87,11 @@ def medmisbench_scorer(prompts:dict,          # sample id -> EvalPrompt
                        items:dict,            # item id -> Item
                        conditions:list[str],  # conditions in the task
                       ):
-    "An inspect scorer: our extraction and `run.judge` per sample, the shown metrics (accuracy, ASR, TASR, rescue) as metrics"
+    "An inspect scorer: our extraction and `run.predictions.read_prediction` per sample, the shown metrics (accuracy, ASR, TASR, rescue) as metrics"
     from inspect_ai.scorer import scorer, Score, CORRECT, INCORRECT
     from medsafe_nb.models.base import Generation
     from medsafe_nb.extract import extract_answer_detail
-    from medsafe_nb.run.predictions import judge
+    from medsafe_nb.run.predictions import read_prediction
     from medsafe_nb.metrics.core import shown_metrics
     names = list(shown_metrics(conditions=[c for c in conditions if c in _core.CONDITIONS]))   # the metrics every table shows
     @scorer(metrics=[_table1_metric(n)() for n in names], name="medmisbench")
@@ -100,7 +103,7 @@ def medmisbench_scorer(prompts:dict,          # sample id -> EvalPrompt
             text = out.completion if out is not None else ""
             stop = getattr(out, "stop_reason", None) if out is not None else None
             gen = Generation(text or "", "error" if getattr(out, "error", None) else _STOP_REASONS.get(stop, "stop"))
-            pred, status = judge(p, gen, item.options)
+            pred, status = read_prediction(p, gen, item.options)
             method = extract_answer_detail(text or "", item.options, multi=p.multi).method
             gold = ",".join(p.gold)
             return Score(value=CORRECT if pred == gold else INCORRECT, answer=pred or "",

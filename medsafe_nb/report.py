@@ -5,6 +5,7 @@
 # %% ../nbs/17_report.ipynb #3441d5e3
 from __future__ import annotations
 import base64, hashlib, html, io, json, re, sqlite3
+from importlib.resources import files
 from pathlib import Path
 from typing import Sequence
 
@@ -23,7 +24,7 @@ from .run.ledger import request_key, request_payload
 # %% auto #0
 __all__ = ['TABLE1_SHOWN', 'TABLE1_HEADINGS', 'BROWSER_COLUMNS', 'read_run', 'flipped_rows', 'row_prompts', 'answer_methods',
            'show_rows', 'table1_html', 'breakdowns_html', 'report_figures', 'browser_rows', 'encode_rows',
-           'decode_rows', 'json_for_script', 'write_report', 'read_report_rows']
+           'decode_rows', 'json_for_script', 'report_asset', 'write_report', 'read_report_rows']
 
 # %% ../nbs/17_report.ipynb #a6404caf
 def read_run(run_dir:str|Path, # a run folder (predictions.parquet, run.json)
@@ -55,7 +56,10 @@ def _run_items(record:dict)->dict|None:
     items = _load_items(record.get("config") or "all", data, record.get("data_revision", record.get("revision")), stamp)
     return None if items is None else dict(items)
 
+# %% ../nbs/17_report.ipynb #12bc9161
 from functools import lru_cache
+
+# %% ../nbs/17_report.ipynb #605fdff3
 @lru_cache(maxsize=4)        # the runs of one report (or one `show`) share their release: parse it once
 def _load_items(config:str, data:str, revision:str|None, stamp)->dict|None:
     from medsafe_nb.items.release import load_medmisbench
@@ -63,11 +67,13 @@ def _load_items(config:str, data:str, revision:str|None, stamp)->dict|None:
     except (MedsafeError, OSError): return None
     return {it.id: it for it in items}
 
+# %% ../nbs/17_report.ipynb #ac147506
 def _ledger_path(run_dir:Path, record:dict)->Path|None:
     for p in (record.get("ledger"), run_dir / "ledger.sqlite"):
         if p and Path(p).is_file(): return Path(p)
     return None
 
+# %% ../nbs/17_report.ipynb #8be23fac
 def _ledger_requests(path:Path|None, keys:Sequence[str])->dict:
     "key -> stored request payload (read-only; the ledger's `responses.request` column)"
     if path is None: return {}
@@ -82,17 +88,22 @@ def _ledger_requests(path:Path|None, keys:Sequence[str])->dict:
     except sqlite3.Error: return {}
     return {k: json.loads(v) for k, v in out.items()}
 
+# %% ../nbs/17_report.ipynb #08dc0d91
 def _build_prompts(items:list, conditions:list, record:dict)->list:
     "The run's prompts rebuilt with the run's own prompt options (those this version of `build_prompts` takes)"
     import inspect
     known = inspect.signature(build_prompts).parameters
     opts = {k: record[k] for k in ("prompt", "structured") if k in known and record.get(k) is not None}
+    if "provider" in known and (record.get("decoding") or {}).get("provider"): opts["provider"] = record["decoding"]["provider"]
     return build_prompts(items, conditions, seed=int(record.get("seed", 0) or 0),
                          mitigation=record.get("mitigation", "none") or "none", **opts)
 
+# %% ../nbs/17_report.ipynb #e9e701a0
 def _request(p, scoring:str, max_new_tokens:int|None):
-    if scoring == "logprob": return "score", ScoreRequest(p.messages, p.keys)
-    return "generate", GenRequest(p.messages, max_new_tokens)
+    "The request a run made for prompt `p`, as the runner builds it (its ledger key finds the stored prompt)"
+    if scoring == "logprob": return "score", ScoreRequest(p.messages, p.keys, protocol=p.protocol)
+    if scoring == "options": return "score", ScoreRequest(p.messages, p.keys, prefix="", continuations=tuple(t for _, t in p.parts.options), protocol=p.protocol)
+    return "generate", GenRequest(p.messages, max_new_tokens, response_schema=p.response_schema, reply_format=p.reply_format, protocol=p.protocol)
 
 # %% ../nbs/17_report.ipynb #6fdf3427
 def row_prompts(run_dir:str|Path,               # the run folder
@@ -161,6 +172,7 @@ def _select(preds:pd.DataFrame, status, condition, flipped_only, item, where:str
     if flipped_only: keep &= flipped_rows(preds)
     return keep
 
+# %% ../nbs/17_report.ipynb #b4822439
 def _block(n:int, total:int, r, msgs, source, method, is_flipped)->str:
     head = (f"── row {n}/{total} · {r.model} · {r.item_id} · {r.condition}"
             + (f" (target {r.target})" if isinstance(r.target, str) else "") + f" · {r.status}" + (" · flipped" if is_flipped else ""))
@@ -172,6 +184,7 @@ def _block(n:int, total:int, r, msgs, source, method, is_flipped)->str:
               f"GOLD    {r.gold}   TARGET {r.target if isinstance(r.target, str) else '-'}   correct: {bool(r.correct)}"]
     return "\n".join(lines)
 
+# %% ../nbs/17_report.ipynb #b3ede464
 def show_rows(run_dir:str|Path,        # a run folder
               status:str|None=None,    # only rows with this status (ok, noanswer, truncated, refused, error)
               condition:str|None=None, # only rows of this condition
@@ -203,6 +216,7 @@ def _num(v, lo=None, hi=None)->str:
     if lo is not None and not pd.isna(lo) and not pd.isna(hi): s += f" [{lo:.1f}, {hi:.1f}]"
     return s
 
+# %% ../nbs/17_report.ipynb #c490726b
 def _html_table(headings:list[str], rows:list[list[str]], classes:list[str]|None=None)->str:
     e = html.escape
     out = ["<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headings) + "</tr></thead><tbody>"]
@@ -211,25 +225,27 @@ def _html_table(headings:list[str], rows:list[list[str]], classes:list[str]|None
         out.append(f"<tr{cls}>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>")
     return "".join(out) + "</tbody></table>"
 
-def table1_html(t1:pd.DataFrame,              # this run's `paper_tables.table1` (with intervals)
+# %% ../nbs/17_report.ipynb #a77fc0c4
+def table1_html(t1:pd.DataFrame,              # this run's `metrics.paper.table1` (with intervals)
                 paper:pd.DataFrame|None=None, # the paper's Table 1 (`paper_reference()["table1"]`)
                )->str:                        # an HTML <table>
     "Table 1 of the runs (with 95% intervals) above the paper's rows"
-    rows, cls = [], []
+    rows, cls, shown = [], [], [c for c in TABLE1_SHOWN if c in t1]        # the pushback columns only where a run has that condition
     for r in t1.itertuples():
         d = r._asdict()
-        rows.append(["this run", r.model, int(r.n_items)] + [_num(d[c], d.get(f"{c}_lo"), d.get(f"{c}_hi")) for c in TABLE1_SHOWN])
+        rows.append(["this run", r.model, int(r.n_items)] + [_num(d[c], d.get(f"{c}_lo"), d.get(f"{c}_hi")) for c in shown])
         cls.append("run")
     if paper is not None:
         for r in paper.itertuples():
             d = r._asdict()
-            rows.append(["paper", d.get("label", r.model), ""] + [_num(d.get(c)) for c in TABLE1_SHOWN]); cls.append("paper")
-    return _html_table(["source", "model", "items"] + [TABLE1_HEADINGS[c] for c in TABLE1_SHOWN], rows, cls)
+            rows.append(["paper", d.get("label", r.model), ""] + [_num(d.get(c)) for c in shown]); cls.append("paper")
+    return _html_table(["source", "model", "items"] + [TABLE1_HEADINGS[c] for c in shown], rows, cls)
 
 # %% ../nbs/17_report.ipynb #1d114ef8
 def _cat(s)->str: return "".join(ch for ch in str(s).lower() if ch.isalnum())
 
-def breakdowns_html(bd:pd.DataFrame,              # `paper_tables.breakdowns` (with intervals)
+# %% ../nbs/17_report.ipynb #480e466f
+def breakdowns_html(bd:pd.DataFrame,              # `metrics.paper.breakdowns` (with intervals)
                     paper:pd.DataFrame|None=None, # the paper's breakdowns (`paper_reference()["breakdowns"]`)
                    )->str:                        # HTML: one table per dimension
     "ASR and TASR per provenance, content and split category, with the paper's values beside them"
@@ -316,9 +332,11 @@ def _factorize(s:pd.Series)->tuple[np.ndarray, list]:
     if (codes < 0).any(): codes = np.where(codes < 0, len(uniques), codes); uniques.append(None)
     return codes, uniques
 
+# %% ../nbs/17_report.ipynb #2aba21d4
 def _code_type(n:int)->tuple[str, type]:
     return ("u8", np.uint8) if n <= 2**8 else ("u16", np.uint16) if n <= 2**16 else ("u32", np.uint32)
 
+# %% ../nbs/17_report.ipynb #5aa1e75e
 def encode_rows(table:pd.DataFrame, # `browser_rows`' table
                )->dict:             # {"meta": JSON-ready header, "codes", "dicts", "prompts": bytes}
     "The browser's table as columns: a code array per column (little-endian, 4-byte aligned), the distinct values, the prompts"
@@ -342,6 +360,7 @@ def encode_rows(table:pd.DataFrame, # `browser_rows`' table
     dump = lambda o: json.dumps(o, ensure_ascii=False, separators=(",", ":")).encode()
     return {"meta": meta, "codes": b"".join(parts), "dicts": dump(dicts), "prompts": dump({"roles": roles, "texts": texts, "prompts": prompts})}
 
+# %% ../nbs/17_report.ipynb #0198485e
 def decode_rows(enc:dict)->pd.DataFrame:
     "The table back from `encode_rows` (the browser's decoding, in Python: for tests and checks)"
     n, dicts, pr = enc["meta"]["n"], json.loads(enc["dicts"]), json.loads(enc["prompts"])
@@ -355,142 +374,28 @@ def decode_rows(enc:dict)->pd.DataFrame:
         else: out[c] = [dicts[c][i] for i in codes]
     return pd.DataFrame(out)
 
+# %% ../nbs/17_report.ipynb #84402024
 def json_for_script(obj)->str:
     "JSON safe inside an HTML <script> element: every `<` escaped"
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
 
+# %% ../nbs/17_report.ipynb #e2e64bee
 def _blob(b:bytes)->str:
     "gzip (level 9, no timestamp: the same rows give the same file) then base64"
     import gzip
     return base64.b64encode(gzip.compress(b, 9, mtime=0)).decode("ascii")
 
-
 # %% ../nbs/17_report.ipynb #28ee8ac2
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1200px;padding:0 16px 48px;color:#1d1d1f}
-h1{font-size:22px;margin:18px 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}h3{font-size:15px;margin:14px 0 6px}
-.meta{color:#555;font-size:13px}table{border-collapse:collapse;font-size:13px;margin:6px 0}
-th,td{border-bottom:1px solid #e3e3e3;padding:3px 8px;text-align:left;vertical-align:top}th{background:#f5f5f7;position:sticky;top:0}
-tr.run td{background:#eef5ff}tr.paper td{color:#444}figure{margin:10px 0}figure img{max-width:100%;border:1px solid #eee}
-figcaption{font-size:12px;color:#555}.absent{color:#777;font-size:13px}
-#filters{display:flex;flex-wrap:wrap;gap:8px;align-items:end;margin:8px 0}#filters label{display:flex;flex-direction:column;font-size:12px;color:#444}
-#filters select,#filters input{font-size:13px;padding:2px 4px}#search{min-width:240px}
-#rows td.reply{max-width:420px;white-space:pre-wrap;word-break:break-word;font-family:ui-monospace,Menlo,monospace;font-size:12px}
-#rows tr.item{cursor:pointer}#rows tr.item:hover td{background:#fafafa}#rows tr.detail td{background:#fbfbfd}
-.flip{color:#b00020;font-weight:600}pre{white-space:pre-wrap;word-break:break-word;margin:2px 0 8px;font-size:12px}
-.role{font-weight:600;font-size:12px;color:#555}#pager{margin:8px 0;display:flex;gap:8px;align-items:center}
-"""
+def report_asset(name:str, # a file of `medsafe_nb/resources`: `report.css` or `report.js`
+                )->str:    # its text
+    "The text of the stylesheet or the script that the report page inlines"
+    return (files("medsafe_nb") / "resources" / name).read_text(encoding="utf-8")
 
-_JS = r"""
-(function () {
-  "use strict";
-  var meta = JSON.parse(document.getElementById("report-data").textContent);
-  var N = meta.n, K = {}, D = null, P = null, pending = null, PAGE = 50, page = 0, shown = new Uint32Array(0), nShown = 0, low = {};
-  var FILTERS = ["model", "source", "condition", "status", "flipped", "content", "provenance"];
-  var SEARCHED = ["item_id", "raw", "model", "pred", "method"];
-  var count = document.getElementById("count");
-  function el(tag, text, cls) { var e = document.createElement(tag); if (text !== undefined && text !== null) e.textContent = String(text); if (cls) e.className = cls; return e; }
-  function gunzip(id) {
-    var s = atob(document.getElementById(id).textContent), b = new Uint8Array(s.length);
-    for (var i = 0; i < s.length; i++) b[i] = s.charCodeAt(i);
-    return new Response(new Blob([b]).stream().pipeThrough(new DecompressionStream("gzip"))).arrayBuffer();
-  }
-  function parse(buf) { return JSON.parse(new TextDecoder().decode(buf)); }
-  function val(i, c) { var v = D[c][K[c][i]]; return v === null || v === undefined ? "" : String(v); }
-  function prompts() {                                  // the prompt texts: decoded once, after the rows are on screen
-    if (!pending) pending = gunzip("rows-prompts").then(function (b) { P = parse(b); document.body.setAttribute("data-prompts", "ready"); });
-    return pending;
-  }
-  function lowered(name, list) { if (!low[name]) low[name] = list.map(function (v) { return v === null ? "" : String(v).toLowerCase(); }); return low[name]; }
-  function hits(name, list, q) { var l = lowered(name, list), m = new Uint8Array(l.length); for (var j = 0; j < l.length; j++) m[j] = l[j].indexOf(q) >= 0 ? 1 : 0; return m; }
-  function searchTest(q) {                              // per column, which distinct values contain q; a row matches if any of its values does
-    var tests = SEARCHED.map(function (c) { return [K[c], hits(c, D[c], q)]; });
-    var t = hits("texts", P.texts, q), pm = new Uint8Array(P.prompts.length);
-    for (var j = 0; j < P.prompts.length; j++) { var f = P.prompts[j]; for (var k = 1; k < f.length; k += 2) if (t[f[k]]) { pm[j] = 1; break; } }
-    tests.push([K.prompt, pm]);
-    return function (i) { for (var x = 0; x < tests.length; x++) if (tests[x][1][tests[x][0][i]]) return true; return false; };
-  }
-  var search = document.getElementById("search"), timer = null;
-  function apply() {
-    var tests = [];
-    FILTERS.forEach(function (f) {
-      var v = document.getElementById("f-" + f).value; if (v === "*") return;
-      var m = new Uint8Array(D[f].length); D[f].forEach(function (x, j) { m[j] = (x === null ? "" : String(x)) === v ? 1 : 0; });
-      tests.push([K[f], m]);
-    });
-    var q = search.value.trim().toLowerCase();
-    function run() {
-      var qt = q ? searchTest(q) : null, out = new Uint32Array(N), n = 0;
-      rows: for (var i = 0; i < N; i++) {
-        for (var x = 0; x < tests.length; x++) if (!tests[x][1][tests[x][0][i]]) continue rows;
-        if (qt && !qt(i)) continue;
-        out[n++] = i;
-      }
-      shown = out; nShown = n; count.setAttribute("data-q", q); draw();
-    }
-    if (q && !P) return prompts().then(run);
-    run();
-  }
-  function detail(i) {
-    var td = el("td"); td.colSpan = 12;
-    td.appendChild(el("div", "Prompt", "role"));
-    var box = el("div"); td.appendChild(box);
-    function fill() {
-      var f = P.prompts[K.prompt[i]] || [];
-      if (!f.length) box.appendChild(el("pre", "(prompt not in this report)"));
-      for (var k = 0; k < f.length; k += 2) { box.appendChild(el("div", P.roles[f[k]], "role")); box.appendChild(el("pre", P.texts[f[k + 1]])); }
-    }
-    if (P) fill(); else { box.appendChild(el("pre", "(decoding the prompts…)")); prompts().then(function () { box.textContent = ""; fill(); }); }
-    td.appendChild(el("div", val(i, "status") === "error" ? "Error" : "Reply", "role"));
-    td.appendChild(el("pre", val(i, "raw")));
-    td.appendChild(el("div", "Answer " + (val(i, "pred") || "–") + " (read by: " + val(i, "method") + "), gold " + val(i, "gold") + ", target " + (val(i, "target") || "–"), "role"));
-    var tr = el("tr", null, "detail"); tr.appendChild(td); return tr;
-  }
-  function draw() {
-    var body = document.getElementById("rows-body"); body.textContent = "";
-    var pages = Math.max(1, Math.ceil(nShown / PAGE)); if (page >= pages) page = pages - 1;
-    count.textContent = nShown + " of " + N + " rows";
-    count.setAttribute("data-n", String(nShown));
-    document.getElementById("page").textContent = "page " + (page + 1) + " / " + pages;
-    for (var s = page * PAGE; s < Math.min(nShown, (page + 1) * PAGE); s++) (function (i) {
-      var tr = el("tr", null, "item"), flip = val(i, "flipped") === "true"; tr.setAttribute("data-row", String(i));
-      ["model", "item_id", "condition", "target", "gold", "pred", "method", "status"].forEach(function (c) { tr.appendChild(el("td", val(i, c))); });
-      tr.appendChild(el("td", flip ? "flipped" : "", flip ? "flip" : ""));
-      tr.appendChild(el("td", val(i, "content"))); tr.appendChild(el("td", val(i, "provenance")));
-      var raw = val(i, "raw"); tr.appendChild(el("td", raw.length > 160 ? raw.slice(0, 160) + "…" : raw, "reply"));
-      tr.addEventListener("click", function () {
-        var next = tr.nextSibling;
-        if (next && next.className === "detail") body.removeChild(next); else body.insertBefore(detail(i), next);
-      });
-      body.appendChild(tr);
-    })(shown[s]);
-  }
-  function start() {
-    FILTERS.forEach(function (f) {
-      var sel = document.getElementById("f-" + f), k = K[f], n = new Uint32Array(D[f].length), seen = {};
-      for (var i = 0; i < N; i++) n[k[i]]++;
-      D[f].forEach(function (x, j) { var v = x === null ? "" : String(x); if (n[j]) seen[v] = (seen[v] || 0) + n[j]; });
-      Object.keys(seen).sort().forEach(function (v) { var o = el("option", (v === "" ? "(none)" : v) + " (" + seen[v] + ")"); o.value = v; sel.appendChild(o); });
-      sel.addEventListener("change", function () { page = 0; apply(); });
-    });
-    search.addEventListener("input", function () { clearTimeout(timer); timer = setTimeout(function () { page = 0; apply(); }, 150); });
-    document.getElementById("prev").addEventListener("click", function () { if (page > 0) { page--; draw(); } });
-    document.getElementById("next").addEventListener("click", function () { if ((page + 1) * PAGE < nShown) { page++; draw(); } });
-    apply();
-    document.body.setAttribute("data-rows", "ready");
-    setTimeout(prompts, 0);
-  }
-  Promise.all([gunzip("rows-codes"), gunzip("rows-values")]).then(function (r) {
-    var T = {u8: Uint8Array, u16: Uint16Array, u32: Uint32Array};
-    meta.columns.forEach(function (c) { K[c[0]] = new T[c[1]](r[0], c[2], N); });
-    D = parse(r[1]); start();
-  }).catch(function (e) { count.textContent = "the rows could not be decoded in this browser (" + e + "); a current Chrome, Firefox or Safari reads them"; });
-})();
-"""
-
+# %% ../nbs/17_report.ipynb #66c0ec75
 def _page(title:str, meta:str, t1_html:str, bd_html:str, figs, rows:dict)->str:
     e = html.escape
-    csp_hash = base64.b64encode(hashlib.sha256(_JS.encode()).digest()).decode()
+    css, js = "\n" + report_asset("report.css"), "\n" + report_asset("report.js")
+    csp_hash = base64.b64encode(hashlib.sha256(js.encode()).digest()).decode()
     csp = f"default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'sha256-{csp_hash}'; base-uri 'none'; form-action 'none'"
     fig_html = "\n".join(f'<figure><img alt="{e(n)}" src="{u}"><figcaption>{e(n)}</figcaption></figure>' if u
                          else f'<p class="absent">{e(n)}: not drawn ({e(why)})</p>' for n, u, why in figs)
@@ -503,7 +408,7 @@ def _page(title:str, meta:str, t1_html:str, bd_html:str, figs, rows:dict)->str:
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{csp}">
 <meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">
-<title>{e(title)}</title><style>{_CSS}</style></head>
+<title>{e(title)}</title><style>{css}</style></head>
 <body>
 <h1>{e(title)}</h1><p class="meta">{meta}</p>
 <h2 id="table1">Table 1</h2>
@@ -521,7 +426,7 @@ def _page(title:str, meta:str, t1_html:str, bd_html:str, figs, rows:dict)->str:
 <script type="application/octet-stream" id="rows-codes">{_blob(rows["codes"])}</script>
 <script type="application/octet-stream" id="rows-values">{_blob(rows["dicts"])}</script>
 <script type="application/octet-stream" id="rows-prompts">{_blob(rows["prompts"])}</script>
-<script>{_JS}</script>
+<script>{js}</script>
 </body></html>
 """
 

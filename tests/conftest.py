@@ -73,7 +73,7 @@ def smollm2_checkpoint(tmp_path_factory):
     import time
     from types import SimpleNamespace
     from medsafe_nb.core import ConfigError
-    from medsafe_nb.models.hf import smollm2_gguf, gguf_checkpoint, GGUF_CACHE_ENV
+    from medsafe_nb.models.gguf import smollm2_gguf, gguf_checkpoint, GGUF_CACHE_ENV
     try: gguf = smollm2_gguf()
     except ConfigError as e: pytest.skip(str(e))
     cache = tmp_path_factory.mktemp("gguf-cache")

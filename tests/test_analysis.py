@@ -90,8 +90,8 @@ def test_params_refuse_secrets(tmp_path):
         assert f"field '{field}'" in str(e.value) and str(p) in str(e.value) and secret not in str(e.value)
 
 
-def test_each_notebook_has_one_params_file_parameter(smoke):
-    "title first, then the one cell tagged `parameters`, declaring params_file only; papermill reads it too"
+def test_each_notebook_has_one_parameters_cell(smoke):
+    "title first, then the one cell tagged `parameters`: params_file first, then only values `make figures` passes; papermill reads it too"
     from papermill.inspection import inspect_notebook
     names = sorted(p.stem for p in ANALYSIS.glob("*.ipynb"))
     assert names == [p.stem for p in figures.analysis_notebooks(ANALYSIS)] and names[:5] == RESULTS
@@ -103,7 +103,11 @@ def test_each_notebook_has_one_params_file_parameter(smoke):
         assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{name}: committed with outputs"
         declared, found = figures.notebook_parameters(ANALYSIS / f"{name}.ipynb"), inspect_notebook(str(ANALYSIS / f"{name}.ipynb"))
         assert list(found) == declared, name   # papermill understands every parameter: it never warns of an unknown one
-        if name in RESULTS: assert declared == ["params_file"] and found["params_file"]["inferred_type_name"] == "str", name
+        offered = figures.notebook_values(smoke["params"], "p.yaml")
+        if name in RESULTS:
+            assert declared[0] == "params_file" and found["params_file"]["inferred_type_name"] == "str", name
+            assert set(declared[1:]) <= set(offered), f"{name}: {set(declared[1:]) - set(offered)} would keep its default under make figures"
+            assert all(found[k]["default"] == "None" for k in declared[1:]), name   # None: the params file's value
     for path in smoke["executed"]:
         nb = nbformat.read(path, as_version=4)
         assert sum("parameters" in c.metadata.get("tags", []) for c in nb.cells) == 1, path
@@ -161,10 +165,28 @@ def test_runner_names_the_failing_notebook(smoke, tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(prm))
     with pytest.raises(launch.AnalysisError) as e: figures.execute_analysis(path, ["02"], log=None, stream=False)
-    assert "02_table1_main.ipynb: cell " in str(e.value) and "predictions.parquet" in str(e.value)
+    assert "02_table1_main.ipynb: cell " in str(e.value) and "RunsMissing" in str(e.value) and "not made yet" in str(e.value)
     path.write_text("runs_dir: r\nmodels:\n  - {model: minilm, scoring: best}\n")
     with pytest.raises(ConfigError) as e: figures.execute_analysis(path, log=None)
     assert f"{path}:3: field 'models[0].scoring'" in str(e.value)
+
+
+def test_notebooks_without_runs_say_so_in_one_line(tmp_path):
+    "opened on a clone with no runs, every notebook that reads runs stops in one line naming them and the command, no traceback"
+    prm = yaml.safe_load((PARAMS / "smoke.yaml").read_text())
+    prm.update(runs_dir=str(tmp_path / "runs"), figures_dir=str(tmp_path / "figures"))
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(prm))
+    names = [m.run_name for m in params.load_params(path).models]
+    for nb in ("02", "03", "04", "05"):
+        with pytest.raises(launch.AnalysisError) as e: figures.execute_analysis(path, [nb], log=None, stream=False)
+        assert "RunsMissing" in str(e.value), str(e.value)
+        executed = nbformat.read(next((tmp_path / "figures" / "executed").glob(f"{nb}_*.ipynb")), as_version=4)
+        errors = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+        assert len(errors) == 1, nb
+        (line,) = errors[0].traceback                                    # what the notebook shows: one line
+        assert f"{len(names)} of the {len(names)} runs" in line and all(n in line for n in names), line
+        assert f"medsafe figures --params {path}" in line and "01_generate" in line, line
 
 
 def test_runner_streams_progress(smoke):

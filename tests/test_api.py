@@ -3,15 +3,17 @@
 Start a server in any test the same way: `with MockServer(policy=..., faults=...) as srv:` and point a backend at
 `srv.base_url`; `srv.completions()` is the log of chat-completion requests the server received.
 """
-import asyncio, math, os, subprocess, sys, threading
+import asyncio, math, subprocess, sys, threading
 import pytest
 
-from medsafe_nb.models.http import MissingExtra
-from medsafe_nb.core import scrub_secrets
+from medsafe_nb.models.http import MissingExtra, APIBackend
+from medsafe_nb.core import scrub_secrets, MedsafeError
 from medsafe_nb.models.openai import OpenAIBackend
-from medsafe_nb.models.providers import AnthropicBackend, GeminiBackend
-from medsafe_nb.models.base import GenRequest, Generation, ScoreRequest, make_backend
-from medsafe_nb.testing.mockserver import MockServer, FaultPlan, Fault, choose_context
+from medsafe_nb.models.anthropic import AnthropicBackend
+from medsafe_nb.models.gemini import GeminiBackend
+from medsafe_nb.models.base import GenRequest, ScoreRequest, make_backend
+from medsafe_nb.testing.mockserver import MockServer
+from medsafe_nb.testing.mockscript import FaultPlan, Fault, choose_context
 from medsafe_nb.protocols import render_messages, build_prompts, ANSWER_PREFIX
 from medsafe_nb.core import ConfigError
 from medsafe_nb.items.schema import item_from_record
@@ -163,7 +165,8 @@ def test_key_rules(monkeypatch):
     with pytest.raises(ConfigError, match="MISSING_VAR"): OpenAIBackend("m", base_url="http://h/v1", api_key_env="MISSING_VAR")
     monkeypatch.setenv("OPENAI_BASE_URL", "http://vllm-box:8000/v1?token=abc")
     b = OpenAIBackend("Qwen/Qwen3-8B")
-    assert b.identity()["base_url"] == "http://vllm-box:8000/v1?token=***" and b.max_tokens_param == "max_tokens"
+    assert APIBackend.identity(b)["base_url"] == "http://vllm-box:8000/v1?token=***" and b.max_tokens_param == "max_tokens"   # as recorded
+    with pytest.raises(MedsafeError, match=r"cannot ask http://vllm-box:8000/v1/models\?token=\*\*\* which checkpoint"): b.identity()   # nothing there to ask
     assert scrub_secrets("x-goog-api-key: AIzaSyB1234567890abcdefghijk") == "x-goog-api-key: ***"
 
 

@@ -13,9 +13,8 @@ import pytest
 from medsafe_nb.core import ConfigError, MedsafeError
 from medsafe_nb.items.schema import Item, read_items
 from medsafe_nb.items.taxonomy import CONTENT, PROVENANCE
-from medsafe_nb.models.base import make_backend, parse_spec, GenRequest
+from medsafe_nb.models.base import make_backend
 from medsafe_nb.testing.doubles import ScriptedBackend
-from medsafe_nb.construct.common import parse_tag
 from medsafe_nb.construct.gate import ConstructConfig
 from medsafe_nb.construct.checks import REJECTION_REASONS
 from medsafe_nb.construct.build import OUTPUT_FILES, build_command, construct_benchmark, read_sources

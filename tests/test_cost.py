@@ -1,6 +1,6 @@
 """Provider scale: the dry-run estimate offline, --max-cost that holds and resumes, --batch against the mock server's
 Batch API (same answers as live; kill -9 at random moments loses nothing and submits nothing twice)."""
-import json, os, random, signal, socket, subprocess, sys, time
+import json, random, signal, socket, subprocess, sys
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from medsafe_nb.cli import app
 from medsafe_nb.run.cost import BudgetReached, load_prices, request_cost
-from medsafe_nb.run.runner import run, EXIT_BUDGET
+from medsafe_nb.run.runner import run
+from medsafe_nb.run.process import EXIT_BUDGET
 from medsafe_nb.run.ledger import Ledger
 from medsafe_nb.testing.mockserver import MockServer
 
@@ -48,7 +49,7 @@ def test_dry_run_asks_nothing(tmp_path):
         r = CliRunner().invoke(app, ["run", "--model", "openai:mock-model", "--base-url", srv.base_url, "--out", str(tmp_path / "r"),
                                      "--limit", "4", "--dry-run", "--prices", str(mock_prices(tmp_path))])
         assert r.exit_code == 0, r.output
-        assert srv.requests == []
+        assert [(q["method"], q["path"]) for q in srv.requests] == [("GET", "/v1/models")]   # what it serves (its ledger identity), no completion
     assert "| openai:mock-model | 12 | 12 |" in r.output and "test rate" in r.output
     assert not (tmp_path / "r" / "run.json").exists()
 
@@ -142,9 +143,8 @@ def _prompts(n):
 
 def test_adaptive_concurrency_halves_under_429_storm_and_recovers():
     from medsafe_nb.models.base import make_backend
-    from medsafe_nb.testing.mockserver import Fault
+    from medsafe_nb.testing.mockscript import Fault
     storm = lambda n, attempt, body: Fault("429", retry_after=0) if n <= 30 else None     # the first 30 tries: rate limited
-    inflight, peak = [0], [0]
     with MockServer(policy="hash", faults=storm) as srv:
         be = make_backend("openai:mock-model", base_url=srv.base_url, concurrency=8, adaptive=True, max_retries=30, backoff=0.0, max_new_tokens=16)
         got = list(be.generate(_prompts(240)))

@@ -1,5 +1,5 @@
 "Answer extraction: the reply corpus (one case per reply) and a property test against the substring-fallback bias."
-import json, random, re
+import json, random
 from pathlib import Path
 
 import pytest

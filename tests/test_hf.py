@@ -232,3 +232,62 @@ def test_sampled_run_resumed_draws_what_an_uninterrupted_run_draws(tmp_path, tin
     a, b = (d[cols].sort_values(key).reset_index(drop=True) for d in (whole, resumed))
     pd.testing.assert_frame_equal(a, b)
     assert a.groupby(["item_id", "condition"]).raw.nunique().max() == 2   # the two samples of a prompt differ
+
+
+def _ledger_rows(path:Path)->int:
+    "Rows the ledger holds now (0 while it does not exist yet)"
+    import sqlite3
+    if not path.is_file(): return 0
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try: return con.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+        finally: con.close()
+    except sqlite3.OperationalError: return 0                    # the tables are being created
+
+
+@pytest.mark.integration
+def test_sigterm_to_a_two_process_torchrun_run(tmp_path, tiny_model_dir):
+    """SIGTERM to torchrun during a two-rank `medsafe run`: every rank stops at its next decoding step and exits with 143,
+    rank 0 leaves an uncommitted folder holding exactly the ledger's answers, nothing is left running, and the same
+    command resumes it, asking only for the rest, to the rows of one process"""
+    import psutil, signal, time
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["run", "--model", f"hf:{tiny_model_dir}", "--scoring", "generate", "--max-new-tokens", "48", "--batch-size", "1",
+            "--limit", "16", "--no-progress"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "medsafe_nb.cli"]
+    out = tmp_path / "dp"
+    p = subprocess.Popen([*torchrun, *args, "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _ledger_rows(out / "ledger.sqlite") < 4:            # some batches answered: the run is under way
+            assert p.poll() is None, p.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the run answered nothing within 240 s"
+            time.sleep(0.05)
+        ranks = psutil.Process(p.pid).children(recursive=True)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)                           # as a scheduler preempting the job does
+        log, _ = p.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None: p.kill(); p.communicate()
+    assert took < 60, f"torchrun took {took:.0f} s to stop"
+    assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE], "a rank outlived torchrun"
+    assert p.returncode != 0
+    assert log.count("stopped by SIGTERM") == 2, log[-3000:]        # both ranks stopped themselves (no SIGKILL from the launcher)
+    assert not (out / "manifest.json").exists()
+    rec = json.loads((out / "run.json").read_text())
+    kept = pd.read_parquet(out / "predictions.parquet")
+    stored = _ledger_rows(out / "ledger.sqlite")
+    assert rec["stopped"]["signal"] == "SIGTERM" and rec["stopped"]["rows_planned"] == 48
+    assert len(kept) == rec["stopped"]["rows_answered"] == stored < 48 and set(kept.status) <= {"ok", "noanswer", "truncated"}
+    again = subprocess.run([*torchrun, *args, "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    done = json.loads((out / "run.json").read_text())
+    assert (out / "manifest.json").is_file() and "stopped" not in done
+    assert (done["ledger_stats"]["cached"], done["ledger_stats"]["asked"]) == (stored, 48 - stored)   # nothing asked twice
+    one = subprocess.run([sys.executable, "-m", "medsafe_nb.cli", *args, "--out", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    cols = ["item_id", "condition", "target", "raw", "pred", "status"]
+    a, b = (pd.read_parquet(d / "predictions.parquet")[cols] for d in (tmp_path / "one", out))
+    pd.testing.assert_frame_equal(a, b)

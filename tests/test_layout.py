@@ -53,7 +53,7 @@ def graph()->dict: return {m: sorted({t for t, _ in import_edges(p)}) for m, p i
 def test_lanes_are_folders():
     assert all((PKG / lane / "__init__.py").is_file() for lane in LANES)
     top = sorted(m for m in MODULES if "." not in m)
-    assert top == ["cli", "core", "extract", "harness", "protocols", "report", "tables"], top
+    assert top == ["cli", "conversations", "core", "extract", "harness", "protocols", "report", "tables"], top
 
 
 def test_no_import_cycle():
@@ -95,7 +95,8 @@ def test_typer_only_in_the_command_line():
 
 def test_each_vocabulary_defined_once():
     names = ("SPLITS", "CONDITIONS", "ALL_CONDITIONS", "STATUSES", "EFFORTS", "MITIGATIONS", "SCORINGS", "PROMPTS", "ENGINES",
-             "SEARCH_MODES", "EVIDENCE_POSITIONS", "SEARCH_SPECS", "ANSWER_PREFIX")
+             "SEARCH_MODES", "EVIDENCE_POSITIONS", "SEARCH_SPECS", "ANSWER_PREFIX", "FORMATS", "DELIVERIES", "STRUCTURED",
+             "FOLLOWUP_CONDITIONS", "FRAME_CONDITIONS")
     for name in names:
         owners = sorted(m for m, p in MODULES.items() if re.search(rf"^{name}\s*=", p.read_text(), re.M))
         assert owners == ["core"], (name, owners)
@@ -104,7 +105,7 @@ def test_each_vocabulary_defined_once():
 def test_no_backend_parses_a_prompt():
     "Only the local test server (it stands in for a model that reads) may split a rendered prompt by its section labels"
     readers = sorted(m for m, p in MODULES.items() if re.search(r"\b(CONTEXT|QUESTION|OPTIONS)_LABELS\b", p.read_text()) and m != "protocols")
-    assert readers == ["testing.mockserver"]
+    assert readers == ["testing.mockscript"]
 
 
 def test_production_code_never_imports_the_test_doubles():
@@ -125,3 +126,28 @@ def test_one_model_spec_parser():
     "Only models.base splits a model spec into kind and name"
     owners = sorted(m for m, p in MODULES.items() if re.search(r"^def (parse_spec|model_spec)\b", p.read_text(), re.M))
     assert owners == ["models.base"]
+
+
+LANE_ORDER = {"core": 0, "tables": 0, "extract": 1, "items": 1, "protocols": 2, "conversations": 2, "models": 3, "mitigate": 4, "metrics": 5, "run": 6,
+              "figures": 7, "construct": 7, "review": 7, "harness": 8, "report": 8, "cli": 9, "testing": 10}   # DESIGN.md: lanes in pipeline order
+
+
+def lane_of(module:str)->str: return module.split(".")[0]
+
+
+def upward_imports()->list:
+    "Every import, at module level or inside a function, from an earlier lane to a later one (testing sits on top of all)"
+    return sorted(f"{m} -> {t}" for m, p in MODULES.items() if lane_of(m) != "testing" for t, _ in import_edges(p)
+                  if LANE_ORDER[lane_of(t)] > LANE_ORDER[lane_of(m)])
+
+
+def test_lanes_never_look_up():
+    assert set(LANE_ORDER) >= {lane_of(m) for m in MODULES}
+    assert upward_imports() == []
+
+
+def test_the_lane_check_sees_imports_inside_functions():
+    "The check is not fooled by an import hidden in a function body: it reads every node of the module"
+    src = "def f():\n    from medsafe_nb.run.runner import run\n    return run\n"
+    node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom))
+    assert _resolve(PKG / "items" / "x.py", node) == "run.runner" and LANE_ORDER["run"] > LANE_ORDER["items"]

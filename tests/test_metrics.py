@@ -1,6 +1,5 @@
 "Metrics across modules: `write_metrics` (the body of `medsafe metrics`), parquet round trips, honest scope, and the vectorised metrics against naive loops."
 import filecmp
-import itertools
 import json
 import warnings
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 from medsafe_nb.core import MedsafeError, write_manifest
 from medsafe_nb.metrics.core import (
     MetricsError, MetricsWarning, bootstrap_counts, condition_metrics, mean_over_models, mean_over_splits,
-    overall_metrics, predictions_from_answers, validate_predictions,
+    overall_metrics, predictions_from_answers, validate_predictions, interval_note,
 )
 from medsafe_nb.metrics.paper import breakdowns, table1, TABLE1_COLUMNS, BREAKDOWN_COLUMNS
 from medsafe_nb.metrics.significance import mcnemar_table, probability_shift
@@ -199,8 +198,11 @@ def test_write_metrics_writes_identical_files(tmp_path, run_dirs):
     assert list(t1.columns[:8]) == TABLE1_COLUMNS and t1.model.tolist()[-1] == "Mean"
     assert t1.type1_asr.tolist() == tables["table1"].type1_asr.tolist()  # full precision in the CSV
     assert not (t1.type1_asr * 10).round(6).eq((t1.type1_asr * 10).round()).all()
-    md_asr = [float(line.split(" | ")[5]) for line in (out1 / "table1.md").read_text().splitlines()[2:]]
+    md = (out1 / "table1.md").read_text().splitlines()
+    md_asr = [float(line.split(" | ")[5]) for line in md[2:] if line.startswith("|")]
     assert md_asr == [round(v, 1) for v in tables["table1"].type1_asr]  # one decimal for reading
+    assert md[-1] == interval_note(100, 0)                              # and a line saying which interval it shows
+    assert not (out1 / "mcnemar.md").read_text().rstrip().endswith(interval_note(100, 0))   # a table without intervals says nothing of them
     assert set(tables) == {"table1", "breakdowns", "mcnemar", "logprob", "tasr_baseline", "usage"}
 
 

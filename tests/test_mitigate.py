@@ -1,9 +1,8 @@
 """Mitigations: bm25 on the demo corpus, offline replay byte for byte, the tool-loop limits, web-search
 failures ending in a status, no key in any written file, tool calls in the OpenAI wire format against the local mock
 server (and Anthropic / Gemini through their SDK types when installed), and `medsafe run --mitigation search` end to end."""
-import io, json, os, shutil, threading, time
+import io, json, shutil, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 import pandas as pd
 import pytest
 from medsafe_nb.core import SEARCH_STATUSES, ConfigError
@@ -248,7 +247,7 @@ def test_mock_model_that_calls_forever_ends_at_the_limit(items, tmp_path):
 
 def test_anthropic_tool_calls_through_sdk_types():
     anthropic = pytest.importorskip("anthropic")
-    from medsafe_nb.models.providers import anthropic_generation, anthropic_tools, anthropic_turns
+    from medsafe_nb.models.anthropic import anthropic_generation, anthropic_tools, anthropic_turns
     msg = anthropic.types.Message.model_validate({"id": "m", "type": "message", "role": "assistant", "model": "c", "stop_reason": "tool_use",
         "content": [{"type": "text", "text": "Let me check."}, {"type": "tool_use", "id": "toolu_1", "name": "search", "input": {"query": "QT"}}],
         "usage": {"input_tokens": 5, "output_tokens": 3}})
@@ -262,7 +261,7 @@ def test_anthropic_tool_calls_through_sdk_types():
 def test_gemini_tool_calls_through_sdk_types():
     pytest.importorskip("google.genai")
     from google.genai import types
-    from medsafe_nb.models.providers import gemini_generation, gemini_tools, gemini_contents
+    from medsafe_nb.models.gemini import gemini_generation, gemini_tools, gemini_contents
     r = types.GenerateContentResponse.model_validate({"candidates": [{"content": {"role": "model", "parts": [
         {"function_call": {"id": "fc1", "name": "search", "args": {"query": "QT"}}}]}, "finish_reason": "STOP"}]})
     g = gemini_generation(r)

@@ -29,10 +29,11 @@ def test_load_is_shared_across_endpoints():
         backend = OpenAIBackend("mock-model", base_url=f"{a.base_url},{b.base_url}", concurrency=CONCURRENCY, backoff=0.01)
         out = dict(backend.generate(asks(60)))
         na, nb = len(a.completions()), len(b.completions())
+        identity = backend.identity()                      # asks both what they serve: the same (no checkpoint reported)
     assert sorted(out) == list(range(60)) and {g.finish_reason for g in out.values()} == {"stop"}
     assert na + nb == 60                                   # each request answered once, no duplicates
     assert min(na, nb) >= 15, (na, nb)                     # both servers carry a real share
-    assert backend.identity()["base_url"] == f"{a.base_url},{b.base_url}"
+    assert identity["base_url"] == f"{a.base_url},{b.base_url}"
 
 
 def test_dead_endpoint_leaves_rotation():

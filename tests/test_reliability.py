@@ -12,7 +12,8 @@ import pytest
 from medsafe_nb.core import MedsafeError, check_manifest
 from medsafe_nb.items.release import load_medmisbench, validate_report
 from medsafe_nb.testing.mockserver import MockServer
-from medsafe_nb.run.runner import run, run_outcome, ServerUnavailable
+from medsafe_nb.run.runner import run
+from medsafe_nb.run.process import run_outcome, ServerUnavailable
 from medsafe_nb.metrics.io import write_metrics
 
 pytestmark = pytest.mark.integration   # real components end to end: `make test-integration`
@@ -537,7 +538,9 @@ def _damaged(data: bytes, rng) -> dict:
 
 def test_damaged_ledgers(tmp_path):
     "Each damaged ledger is refused at open with a clear error naming it, left as it was, and salvage recovers the readable rows"
-    from medsafe_nb.run.ledger import Ledger, LedgerError, salvage_ledger
+    from medsafe_nb.run.ledger import Ledger
+    from medsafe_nb.run.ledger_file import LedgerError
+    from medsafe_nb.run.salvage import salvage_ledger
     rng = random.Random(int(os.environ.get("MEDSAFE_DAMAGE_SEED", "4")))
     with MockServer(policy="hash") as srv:
         ref = _api_run(tmp_path / "ref", srv.base_url, limit=30).drop(columns="latency_s")

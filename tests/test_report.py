@@ -1,5 +1,5 @@
 """The look-at-a-run verbs on the command line: `medsafe show`, `medsafe report` and `medsafe export lm-eval`."""
-import json, re
+import re
 import pytest
 from typer.testing import CliRunner
 from medsafe_nb.cli import app

@@ -4,8 +4,6 @@ Ratings are typed with the keyboard and the mouse, survive a reload, are exporte
 imported and reported; the report's numbers must equal those computed from what was typed. A reply carrying script
 payloads must not run. `make browser` installs what this needs; without it the test skips and says why.
 """
-import json, shutil
-from pathlib import Path
 import pytest
 from conftest import browser_missing, screenshot_path
 from medsafe_nb.review.rubric import HARM_CRITERIA, TIERS

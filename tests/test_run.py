@@ -1,6 +1,5 @@
 """`medsafe run` end to end on this machine's offline models: the MiniLM baseline and the tiny random-weight HF model."""
 import json, subprocess, sys
-from pathlib import Path
 
 import pandas as pd
 import pytest

@@ -4,9 +4,9 @@ import json, os, signal, sqlite3, subprocess, sys, time
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
-from medsafe_nb.testing.mockserver import MockServer, FaultPlan, choose_context
+from medsafe_nb.testing.mockserver import MockServer
+from medsafe_nb.testing.mockscript import FaultPlan, choose_context
 from medsafe_nb.items.release import load_medmisbench
 from medsafe_nb.protocols import build_prompts
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from medsafe_nb.core import ConfigError, STATUSES, repo_root
+from medsafe_nb.core import ConfigError, STATUSES
 
 pytestmark = pytest.mark.integration   # real components end to end: `make test-integration`
 
@@ -74,7 +74,8 @@ def sample_items():
 def test_server_record(served):
     rec = served.server.record()
     assert rec["engine"] == "vllm" and rec["vllm_version"] and rec["startup_s"] > 0
-    assert rec["env"] == {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    assert rec["env"]["VLLM_CPU_KVCACHE_SPACE"] == os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert (Path(rec["env"]["PYTHONPATH"].split(os.pathsep)[0]) / "medsafe_vllm_forced.py").is_file()   # the option-scoring plugin
     assert "--max-logprobs" in rec["command"] and Path(rec["log"]).exists()
     ident = served.identity()
     assert ident["engine"] == "vllm" and "base_url" not in ident and served.name.startswith("hf:")
@@ -104,6 +105,23 @@ def test_logprob_scoring(served):
     assert len(ok) >= 0.9 * len(df), df["status"].value_counts().to_dict()
     assert ok["pred"].notna().all() and ok["p_gold"].between(0, 1).all() and (ok["prompt_tokens"] > 0).all()
     assert df["pred"].tolist() == again["pred"].tolist()
+
+
+def test_option_scoring_matches_inprocess(served, tiny64_dir):
+    "Option scoring on the engine (each prompt continued with each option's tokens, the prompt from the prefix cache): in-process's values"
+    from medsafe_nb.models.base import ScoreRequest
+    from medsafe_nb.models.hf import HFBackend
+    from medsafe_nb.protocols import build_prompts
+    items = [it for it in sample_items() if not it.is_multi][:8]
+    by_id = {it.id: it for it in items}
+    reqs = [ScoreRequest(p.messages, p.keys, prefix="", continuations=tuple(by_id[p.item_id].options[k] for k in p.keys))
+            for p in build_prompts(items, ["clean", "type1", "type2"])]
+    v = dict(served.score(reqs))
+    i = dict(HFBackend(str(tiny64_dir)).score(reqs))
+    assert not [s.error for s in v.values() if s.error]
+    diff = max(abs(v[j].logprobs[k] - i[j].logprobs[k]) for j in i for k in i[j].logprobs)
+    assert diff < 1e-3, diff
+    assert [max(s.logprobs, key=s.logprobs.get) for _, s in sorted(v.items())] == [max(s.logprobs, key=s.logprobs.get) for _, s in sorted(i.items())]
 
 
 def test_cli_engine_vllm(vllm_python, tiny64_dir, tmp_path):

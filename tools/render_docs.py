@@ -12,7 +12,9 @@ What it does to each notebook, with nbconvert's HTML exporter (lab template):
 - images in markdown (`![](path)`, `<img src=path>`) are looked up beside the notebook, then from the repository root
   (README-style paths such as the index's `figures/...`), copied into the site under `assets/` and relinked;
 - links to notebooks and to `docs/design.md` become links to their pages;
-- every page gets the same navigation: Home, Design, the library notebooks and the analysis notebooks by title.
+- every page gets the same navigation: Home, Design, the library notebooks and the analysis notebooks by title;
+- nothing is loaded from the network (the lab template's require.js, MathJax and mermaid are left out): the site opens
+  offline, from file://.
 Plain build tooling: it needs only nbconvert and nbformat (and mistune, which nbconvert brings).
 """
 from __future__ import annotations
@@ -268,9 +270,20 @@ def markdown_page(md_text:str, title:str)->str:
 
 # ---------------------------------------------------------------- rendering
 
+# The lab template loads require.js, MathJax and mermaid from a CDN; no notebook here needs them (no widgets, no math,
+# no diagrams), and a site that fetches nothing opens offline, from file://, without a failed request.
+OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js -%}{%- endblock html_head_js -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+
+
 def exporter()->HTMLExporter:
-    "nbconvert's HTML exporter (lab template) without prompts, applying remove tags"
-    ex = HTMLExporter(template_name="lab", exclude_input_prompt=True, exclude_output_prompt=True)
+    "nbconvert's HTML exporter (lab template, nothing loaded from the network) without prompts, applying remove tags"
+    from jinja2 import DictLoader
+    ex = HTMLExporter(template_name="lab", exclude_input_prompt=True, exclude_output_prompt=True,
+                      extra_loaders=[DictLoader({"medsafe_offline.html.j2": OFFLINE_TEMPLATE})], template_file="medsafe_offline.html.j2")
     ex.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={"remove_cell"}, remove_input_tags={"remove_input"},
                                                    remove_all_outputs_tags={"remove_output"}), enabled=True)
     return ex

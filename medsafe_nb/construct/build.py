@@ -14,14 +14,14 @@ from tqdm import tqdm
 import medsafe_nb
 from ..core import ConfigError, SPLITS, atomic_write, stable_hash
 from ..items.schema import Item, RELEASE_FIELDS, item_to_record, read_items, write_items
-from ..items.taxonomy import CONTENT, PROVENANCE, candidate_contents
+from ..items.taxonomy import CONTENT, PROVENANCE, candidate_contents, generated_provenances
 from ..models.base import Backend, make_backend
 from ..items.sources import SOURCE_KINDS, load_source
 from ..items.release import fingerprint
 from ..items.audit import PROBES, audit_report, standout_items
 from ..run.ledger import Ledger
 from ..tables import markdown_table
-from .common import PROMPT_VERSION, ConstructConfig, TokenTally
+from .requests import PROMPT_VERSION, ConstructConfig, TokenTally
 from .gate import run_gate
 from .generate import run_generate
 from .checks import REJECTION_REASONS, rejection, validate_wave, verify_wave
@@ -54,9 +54,10 @@ def waves(kept:list, wave_size:int=32)->list[list]: # consecutive chunks of `kep
     return out
 
 # %% ../../nbs/construct/13d_build.ipynb #1a177199
-def target_shares(spec=None, # None (the paper's shares), a dict key -> share, `N,P,A`, `key=share,...`, or a list in PROVENANCE order
-                      )->dict:    # provenance key -> share, summing to 1, in PROVENANCE order
-    "Normalised target shares of the provenance framings"
+def target_shares(spec=None, # None (the paper's shares), a dict key -> share, `N,P,A`, `key=share,...`, or a list in the order of the generated framings
+                      )->dict:    # provenance key -> share, summing to 1, in the order of the generated framings
+    "Normalised target shares of the provenance framings a build assigns (`taxonomy.generated_provenances`)"
+    framings = generated_provenances()
     if spec is None: spec = PAPER_PROVENANCE
     if isinstance(spec, str):
         parts = [p.strip() for p in spec.split(",") if p.strip()]
@@ -64,10 +65,10 @@ def target_shares(spec=None, # None (the paper's shares), a dict key -> share, `
         elif any("=" in p for p in parts): raise ConfigError(f"provenance targets {spec!r}: give either N,P,A or key=share for every framing")
         else: spec = parts
     if not isinstance(spec, dict):
-        if len(spec) != len(PROVENANCE): raise ConfigError(f"provenance targets need {len(PROVENANCE)} shares ({', '.join(PROVENANCE)}), got {len(spec)}")
-        spec = dict(zip(PROVENANCE, spec))
-    if unknown := [k for k in spec if k not in PROVENANCE]: raise ConfigError(f"unknown provenance framing(s) {', '.join(map(str, unknown))}; known: {', '.join(PROVENANCE)}")
-    try: shares = {k: float(spec.get(k, 0)) for k in PROVENANCE}
+        if len(spec) != len(framings): raise ConfigError(f"provenance targets need {len(framings)} shares ({', '.join(framings)}), got {len(spec)}")
+        spec = dict(zip(framings, spec))
+    if unknown := [k for k in spec if k not in framings]: raise ConfigError(f"unknown provenance framing(s) {', '.join(map(str, unknown))}; known: {', '.join(framings)}")
+    try: shares = {k: float(spec.get(k, 0)) for k in framings}
     except (TypeError, ValueError): raise ConfigError(f"provenance targets {spec!r}: every share must be a number") from None
     if any(v < 0 or v != v for v in shares.values()) or sum(shares.values()) <= 0:
         raise ConfigError(f"provenance targets {spec!r}: shares must be non-negative and not all zero")
@@ -91,7 +92,7 @@ def assign_balanced(wave:list[Item],   # the wave's items, in seeded order
     out = {}
     for it in wave:
         c = min(viable[it.id], key=lambda c: (load("content", c), stable_hash("construct-content", seed, it.id, c)))
-        p = min(PROVENANCE, key=lambda p: (load("provenance", p), load("cell", (c, p)), stable_hash("construct-framing", seed, it.id, p)))
+        p = min(generated_provenances(), key=lambda p: (load("provenance", p), load("cell", (c, p)), stable_hash("construct-framing", seed, it.id, p)))
         pend["content"][c] += 1; pend["provenance"][p] += 1; pend["cell"][(c, p)] += 1
         out[it.id] = (c, p)
     return out
@@ -111,7 +112,7 @@ def assign_natural(wave:list[Item],   # the wave's items, in seeded order
         score = applicability.get(it.id, {})
         c = min(viable[it.id], key=lambda c: (-(score.get(c) or 0), stable_hash("construct-content", seed, it.id, c)))
         n = sum(counts["provenance"].values()) + sum(pend.values()) + 1
-        p = min(PROVENANCE, key=lambda p: (counts["provenance"][p] + pend[p] - targets[p] * n, stable_hash("construct-framing", seed, it.id, p)))
+        p = min(generated_provenances(), key=lambda p: (counts["provenance"][p] + pend[p] - targets[p] * n, stable_hash("construct-framing", seed, it.id, p)))
         pend[p] += 1; out[it.id] = (c, p)
     return out
 
@@ -165,11 +166,12 @@ def run_wave(wave:list[Item],          # kept items, in seeded order
 # %% ../../nbs/construct/13d_build.ipynb #c0fc4b01
 def composition_stats(out_items:list[Item], assign:str="balanced", targets:dict|None=None)->dict:
     "The composition policy and each framing's target and achieved share of the accepted items (%)"
-    targets = targets or {p: 1 / len(PROVENANCE) for p in PROVENANCE}
+    framings = generated_provenances()
+    targets = targets or {p: 1 / len(framings) for p in framings}
     n, prov = len(out_items), Counter(it.provenance for it in out_items)
-    return {"assign": assign, "provenance_target_pct": {p: round(100 * targets[p], 2) for p in PROVENANCE},
-            "provenance_achieved_pct": {p: round(100 * prov[p] / n, 2) if n else None for p in PROVENANCE},
-            "provenance_target_gap": round(max(abs(prov[p] - targets[p] * n) for p in PROVENANCE), 3)}
+    return {"assign": assign, "provenance_target_pct": {p: round(100 * targets[p], 2) for p in framings},
+            "provenance_achieved_pct": {p: round(100 * prov[p] / n, 2) if n else None for p in framings},
+            "provenance_target_gap": round(max(abs(prov[p] - targets[p] * n) for p in framings), 3)}
 
 # %% ../../nbs/construct/13d_build.ipynb #cfb94f1a
 def _gate_by_content(gate:list[dict])->dict:
@@ -181,12 +183,13 @@ def _gate_by_content(gate:list[dict])->dict:
                   "unusable": sum(d["viable"] is None for d in ds), "pass_rate": round(v / len(ds), 4) if ds else None}
     return out
 
+# %% ../../nbs/construct/13d_build.ipynb #c414bb4d
 def build_stats(items, out_items, decisions, gate, tally:TokenTally, cfg:ConstructConfig, post_gate_rejections:int,
                 assign:str="balanced", targets:dict|None=None)->dict:
     "Every count of a build: items, gate, acceptances, rejections, composition, calls and tokens"
     rej = [d for d in decisions if d["event"] == "reject"]
     prov = Counter(it.provenance for it in out_items)
-    spread = (lambda v: max(v) - min(v))([prov[p] for p in PROVENANCE]) if out_items else 0
+    spread = (lambda v: max(v) - min(v))([prov[p] for p in generated_provenances()]) if out_items else 0
     return {
         "items_in": len(items), "items_in_by_split": dict(sorted(Counter(it.split for it in items).items())),
         "gate": {"calls": tally.calls["gate"], "decisions": len(gate), "items_tried": len({d["item_id"] for d in gate}),
@@ -196,7 +199,7 @@ def build_stats(items, out_items, decisions, gate, tally:TokenTally, cfg:Constru
         "rejected_by_stage": dict(sorted(Counter(d["stage"] for d in rej).items())),
         "rejected_by_reason": dict(sorted(Counter(d["reason"] for d in rej).items())),
         "content_counts": {c: sum(it.content == c for it in out_items) for c in CONTENT},
-        "provenance_counts": {p: prov[p] for p in PROVENANCE},
+        "provenance_counts": {p: prov[p] for p in generated_provenances()},
         "provenance_spread": spread,
         "provenance_spread_bound": (1 if cfg.wave_size == 1 else 1 + post_gate_rejections) if assign == "balanced" else None,
         "composition": composition_stats(out_items, assign, targets),
@@ -212,6 +215,7 @@ def _screen(items:list[Item], decisions:dict)->dict: # item id -> candidate cont
         elif not cands[it.id]: decisions[it.id].append(rejection(it, "gate", "no_candidate", "no content corruption's prerequisites are met"))
     return cands
 
+# %% ../../nbs/construct/13d_build.ipynb #251852b2
 def _gate_stage(items, cands, generator, ledger, cfg, tally, progress, decisions)->tuple[list[dict], dict, dict]:
     "Stage 1 for every usable item: (gate decisions, item id -> viable contents, item id -> {content: applicability})"
     gate = run_gate([it for it in items if cands[it.id]], generator, ledger, cfg, tally, progress, candidates=cands)
@@ -279,7 +283,7 @@ def composition_table(items:list[Item])->pd.DataFrame: # split, content, Neutral
         for c in list(CONTENT) + ["All"]:
             cell = [it for it in mine if c == "All" or it.content == c]
             rows.append({"split": s, "content": CONTENT[c].name if c in CONTENT else "All",
-                         **{PROVENANCE[p].name: sum(it.provenance == p for it in cell) for p in PROVENANCE}, "Total": len(cell)})
+                         **{PROVENANCE[p].name: sum(it.provenance == p for it in cell) for p in generated_provenances()}, "Total": len(cell)})
     return pd.DataFrame(rows)
 
 # %% ../../nbs/construct/13d_build.ipynb #eedc7853
@@ -288,7 +292,7 @@ def policy_table(stats:dict)->pd.DataFrame: # assign, provenance, n, target_pct,
     comp = stats["composition"]
     return pd.DataFrame([{"assign": comp["assign"], "provenance": PROVENANCE[p].name, "n": stats["provenance_counts"][p],
                           "target_pct": comp["provenance_target_pct"][p], "achieved_pct": comp["provenance_achieved_pct"][p]}
-                         for p in PROVENANCE])
+                         for p in generated_provenances()])
 
 # %% ../../nbs/construct/13d_build.ipynb #168894e4
 def gate_table(stats:dict)->pd.DataFrame: # content, tried, viable, not_viable, unusable, pass_rate (%)
@@ -311,6 +315,7 @@ def _release_rows(items:list[Item])->list[dict]:
     recs = [item_to_record(it) for it in items]
     return [{f: "" if r.get(f) is None else str(r.get(f)) for f in RELEASE_FIELDS} for r in recs]
 
+# %% ../../nbs/construct/13d_build.ipynb #c0fd67c8
 def dataset_dicts(items:list[Item])->dict: # config -> DatasetDict({config: Dataset})
     "One `datasets.DatasetDict` per source split, in the release schema (string columns)"
     import pyarrow as pa
@@ -410,8 +415,8 @@ def drop_artefacts(result:Construction,   # what `construct_benchmark` returned
     s.update(accepted=len(items), rejected=len(rej), accepted_by_split=dict(sorted(Counter(it.split for it in items).items())),
              rejected_by_stage=dict(sorted(Counter(d["stage"] for d in rej).items())),
              rejected_by_reason=dict(sorted(Counter(d["reason"] for d in rej).items())),
-             content_counts={c: sum(it.content == c for it in items) for c in CONTENT}, provenance_counts={p: prov[p] for p in PROVENANCE},
-             provenance_spread=max(prov[p] for p in PROVENANCE) - min(prov[p] for p in PROVENANCE) if items else 0,
+             content_counts={c: sum(it.content == c for it in items) for c in CONTENT}, provenance_counts={p: prov[p] for p in generated_provenances()},
+             provenance_spread=(lambda v: max(v) - min(v))([prov[p] for p in generated_provenances()]) if items else 0,
              composition=composition_stats(items, comp["assign"], {p: v / 100 for p, v in comp["provenance_target_pct"].items()}))
     return replace(result, items=items, decisions=decisions, stats=s)
 

@@ -10,8 +10,9 @@ from itertools import combinations
 import numpy as np
 from typing import Callable, Iterable
 from ..items.schema import Item
-from ..models.base import Backend, minilm_embed
-from .common import (request_tag, ConstructConfig, ReplyError, TokenTally, ask_with_retries, extract_json, item_json, keys_text,
+from ..models.base import Backend
+from ..models.minilm import minilm_embed
+from .requests import (request_tag, ConstructConfig, ReplyError, TokenTally, ask_with_retries, extract_json, item_json, keys_text,
                              prompt_lang, retry_note)
 
 # %% auto #0
@@ -24,10 +25,12 @@ def _norm(text:str, lang:str)->str:
     s = str(text).lower()
     return re.sub(r"[\W_]+", "", s) if lang == "zh" else re.sub(r"[\W_]+", " ", s).strip()
 
+# %% ../../nbs/construct/13c_checks.ipynb #8ddc5aa2
 def _phrase(text:str, lang:str)->re.Pattern:
     n = re.escape(_norm(text, lang))
     return re.compile(n if lang == "zh" else rf"(?<!\w){n}(?!\w)")
 
+# %% ../../nbs/construct/13c_checks.ipynb #e046e0b0
 def mentions(sentence:str,      # a context sentence
              phrase:str,        # an option text
              lang:str="en",     # `zh`: substring match; `en`: whole words

@@ -12,7 +12,7 @@ from ..items.schema import Item
 from ..items.taxonomy import CONTENT, PROVENANCE, candidate_contents
 from ..models.base import Backend, GenRequest, Generation
 from ..run.ledger import cached_generate, request_key, request_payload
-from .common import (STAGES, request_tag, PROMPT_VERSION, ConstructConfig, category_text, item_json, prompt_lang,
+from .requests import (STAGES, request_tag, PROMPT_VERSION, ConstructConfig, category_text, item_json, prompt_lang,
                                          retry_note, ReplyError, extract_json, keys_text, read_reply, TokenTally, ask, ask_with_retries)
 
 # %% auto #0
@@ -85,6 +85,7 @@ def _gate_decision(iid:str, content:str, value, attempts:int)->dict:
     return {"event": "gate", "item_id": iid, "content": content, "viable": value.viable, "applicability": value.applicability,
             "status": "ok", "reason": value.reason, "attempts": attempts}
 
+# %% ../../nbs/construct/13a_gate.ipynb #603043f0
 def run_gate(items:list[Item],          # raw items
              generator:Backend,         # the generator model
              ledger=None,               # a `ledger.Ledger` (None: ask everything)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from ..items.schema import Item
 from ..models.base import Backend
-from .common import (request_tag, ConstructConfig, ReplyError, TokenTally, ask_with_retries, category_text, extract_json, item_json,
+from .requests import (request_tag, ConstructConfig, ReplyError, TokenTally, ask_with_retries, category_text, extract_json, item_json,
                              keys_text, prompt_lang, retry_note)
 
 # %% auto #0

@@ -11,12 +11,13 @@ from typing import Callable, Sequence
 
 import nbformat
 
-from ..core import ConfigError
-from ..run.params import Params, load_params, params_path, project_root, resolve_path
-from ..core import AnalysisError
+from dataclasses import replace
+from ..core import ConfigError, AnalysisError, MANIFEST
+from ..run.params import Params, ANALYSIS_KEYS, key_problem, load_params, params_path, project_root, resolve_path
 
 # %% auto #0
-__all__ = ['analysis_notebooks', 'find_notebook', 'notebook_parameters', 'notebook_values', 'run_notebook', 'execute_analysis']
+__all__ = ['analysis_notebooks', 'find_notebook', 'notebook_parameters', 'notebook_values', 'run_notebook', 'timing_table',
+           'execute_analysis', 'RunsMissing', 'make_command', 'missing_runs', 'analysis_params']
 
 # %% ../../nbs/figures/15c_notebooks.ipynb #a5aae3e8
 def analysis_notebooks(nb_dir:str|Path, # the analysis notebooks' folder
@@ -63,12 +64,15 @@ def _source_cell(executed:Path, index:int)->int:
     except Exception: return index + 1
     return index - sum("injected-parameters" in c.metadata.get("tags", []) for c in cells[:index]) + 1
 
+# %% ../../nbs/figures/15c_notebooks.ipynb #e70a78d3
 def _first_line(src:str)->str:
     lines = [l for l in (src or "").splitlines() if l.strip() and not l.lstrip().startswith("#")]
     return lines[0].strip()[:100] if lines else ""
 
+# %% ../../nbs/figures/15c_notebooks.ipynb #6ac50ab3
 def _tail(text:str, n:int=8)->str: return "\n".join((text or "").strip().splitlines()[-n:])
 
+# %% ../../nbs/figures/15c_notebooks.ipynb #617c03fe
 @contextmanager
 def _kernel_warnings(spec:str="ignore:IProgress not found"):
     "Start kernels with a warning filter (PYTHONWARNINGS): tqdm.auto's note that ipywidgets is missing, imported by transformers"
@@ -100,9 +104,20 @@ def run_notebook(nb:Path,      # the notebook
                             f"{_tail(e.evalue)}\n  cell: {_first_line(e.source)}\n  executed notebook: {out}") from None
     return out
 
+# %% ../../nbs/figures/15c_notebooks.ipynb #b36ce9d6
+def timing_table(times:dict, # notebook stem -> wall seconds, in the order they ran
+                 total:float, # wall seconds of the whole run
+                )->str:       # the lines `make figures` ends with
+    "Each notebook's wall time and the total, as `make figures` prints them when it ends"
+    w = max([len(k) for k in times] + [5])
+    lines = [f"figures: {len(times)} notebook(s) in {total:.1f}s"]
+    lines += [f"  {k:<{w}} {v:7.1f}s" for k, v in times.items()] + [f"  {'total':<{w}} {total:7.1f}s"]
+    return "\n".join(lines)
+
 # %% ../../nbs/figures/15c_notebooks.ipynb #03e8dc86
 def _say(*args): print(*args, flush=True)
 
+# %% ../../nbs/figures/15c_notebooks.ipynb #dc5ffd67
 def execute_analysis(params:str|Path,                 # params file (or demo, smoke, paper)
                      notebooks:Sequence[str]|None=None, # which notebooks, by number or name (default: every `analysis_notebooks`)
                      nb_dir:str|Path|None=None,       # folder of the analysis notebooks (default: nbs/analysis)
@@ -120,12 +135,53 @@ def execute_analysis(params:str|Path,                 # params file (or demo, sm
     out_dir.mkdir(parents=True, exist_ok=True)
     full = path.resolve()
     values = notebook_values(prm, str(full.relative_to(root)) if full.is_relative_to(root) else str(full))
-    done, t_all = [], time.time()
+    done, times, t_all = [], {}, time.time()
     for i, nb in enumerate(nbs, 1):
         mine = {k: values[k] for k in notebook_parameters(nb) if k in values}
         if log: log(f"[{i}/{len(nbs)}] {nb.stem} ...")
         t0 = time.time()
         done.append(run_notebook(nb, out_dir / nb.name, mine, root, kernel, stream))
-        if log: log(f"[{i}/{len(nbs)}] {nb.stem} done in {time.time() - t0:.1f}s")
-    if log: log(f"figures: {len(nbs)} notebook(s) in {time.time() - t_all:.1f}s; outputs in {prm.figures_dir}, executed notebooks in {out_dir}")
+        times[nb.stem] = time.time() - t0
+        if log: log(f"[{i}/{len(nbs)}] {nb.stem} done in {times[nb.stem]:.1f}s")
+    if log: log(timing_table(times, time.time() - t_all) + f"\noutputs in {prm.figures_dir}, executed notebooks in {out_dir}")
     return done
+
+# %% ../../nbs/figures/15c_notebooks.ipynb #14713a62
+class RunsMissing(AnalysisError):
+    "Runs an analysis notebook reads are not made yet; a notebook shows the message alone, without a traceback"
+    def _render_traceback_(self)->list[str]: return [str(self)]   # IPython prints these lines instead of the traceback
+
+# %% ../../nbs/figures/15c_notebooks.ipynb #a4770d1e
+def make_command(params_file:str|Path)->str:
+    "The command that runs the analysis notebooks on a params file: `make figures P=NAME` for a shipped one"
+    p, root = Path(params_file), project_root()
+    full = (p if p.is_absolute() else root / p).resolve()
+    if full.parent == (root / "nbs" / "analysis" / "params").resolve() and full.suffix == ".yaml": return f"make figures P={full.stem}"
+    return f"medsafe figures --params {full.relative_to(root) if full.is_relative_to(root) else full}"
+
+# %% ../../nbs/figures/15c_notebooks.ipynb #d0ef6fa8
+def missing_runs(prm:Params, section:str="models")->list[str]:
+    "The run folders of the params' models (or its `beyond` entries) that hold no complete run (no manifest: never made, or stopped before the end)"
+    return [e.run_name for e in (prm.beyond if section == "beyond" else prm.models) if not (resolve_path(prm.runs_dir) / e.run_name / MANIFEST).is_file()]
+
+# %% ../../nbs/figures/15c_notebooks.ipynb #38d64bec
+def analysis_params(params_file:str,  # the notebook's params file (relative to the project root, or absolute)
+                    runs:bool=True,   # the notebook reads the params' runs: stop in one line when one is missing
+                    sections:tuple=("models",), # which entries' runs it reads: models, beyond
+                    **overrides,      # analysis keys its parameters cell sets (n_boot, figures_dir, ...); None: the file's
+                   )->Params:         # the params the notebook computes with
+    "An analysis notebook's start: the project root as working directory, its params with the cell's values, its runs checked"
+    os.chdir(project_root())
+    prm = load_params(params_file)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for k, v in given.items():
+        problem = f"not an analysis key; known: {', '.join(ANALYSIS_KEYS)}" if k not in ANALYSIS_KEYS else key_problem(k, v)
+        if problem: raise ConfigError(f"parameters cell: field {k!r}: {problem}")
+    prm = replace(prm, **given)
+    missing = [m for s in sections for m in missing_runs(prm, s)] if runs else []
+    if missing:
+        total = sum(len(prm.beyond if s == "beyond" else prm.models) for s in sections)
+        raise RunsMissing(f"{len(missing)} of the {total} runs of {params_file} are not made yet ({', '.join(missing)} "
+                          f"in {prm.runs_dir}): make them with `{make_command(params_file)}` (every notebook, "
+                          "01_generate first), or run 01_generate.ipynb with this params_file first")
+    return prm

@@ -4,10 +4,9 @@
 
 # %% auto #0
 __all__ = ['DPI', 'PALETTE', 'CONDITION_COLORS', 'CONDITION_LABELS', 'SOURCE_COLORS', 'SOURCE_MARKERS', 'REFERENCE_FILES',
-           'NO_EFFORT_PAIRS', 'FIGURES', 'set_theme', 'save_figure', 'split_effort', 'model_label',
-           'find_reference_dir', 'paper_reference', 'plot_accuracy_by_condition', 'plot_asr_vs_clean',
-           'plot_type1_vs_type2', 'plot_content_provenance', 'plot_effort_pairs', 'category_key', 'plot_breakdowns',
-           'write_figures', 'LABEL_RINGS', 'label_overlaps']
+           'NO_EFFORT_PAIRS', 'FIGURES', 'set_theme', 'save_figure', 'find_reference_dir', 'paper_reference',
+           'plot_accuracy_by_condition', 'plot_asr_vs_clean', 'plot_type1_vs_type2', 'plot_content_provenance',
+           'plot_effort_pairs', 'category_key', 'plot_breakdowns', 'write_figures', 'LABEL_RINGS', 'label_overlaps']
 
 # %% ../../nbs/figures/12_plots.ipynb #456a7bf5
 import re
@@ -26,7 +25,7 @@ from ..core import CONDITIONS, EFFORTS, MedsafeError, repo_root
 from ..items import taxonomy
 from ..metrics.core import MetricsError
 from ..metrics.paper import category_names, table1, breakdowns, cross_breakdown
-from ..models.base import label_keeps_kind
+from ..models.base import model_label, split_effort
 from .placement import LABEL_RINGS, label_overlaps, place_labels, error_bar_boxes, number_key, not_shown_note
 
 # %% ../../nbs/figures/12_plots.ipynb #70afc007
@@ -72,27 +71,6 @@ def save_figure(fig:plt.Figure, # the figure
 # %% ../../nbs/figures/12_plots.ipynb #26e10cc4
 REFERENCE_FILES = {"table1": "paper_table1_main.csv", "breakdowns": "paper_table_breakdowns.csv",
                    "harm_and_mitigation": "paper_harm_and_mitigation.csv"}
-_EFFORT_RE = re.compile(r"^(?P<base>.+?)\s*(?:@|\(|\[|effort=)\s*(?:effort=)?(?P<effort>" + "|".join(EFFORTS) + r")\s*[)\]]?$", re.I)
-
-# %% ../../nbs/figures/12_plots.ipynb #46215dfb
-def split_effort(model:str, # a model label: 'gpt-5.4@high', 'gpt-5.4 (high)', 'gpt-5.4 [effort=high]'
-                )->tuple[str, str|None]: # (base name, effort or None)
-    "Split a model label into its base name and reasoning effort"
-    m = _EFFORT_RE.match(str(model).strip())
-    return (m["base"].strip(), m["effort"].lower()) if m else (str(model).strip(), None)
-
-# %% ../../nbs/figures/12_plots.ipynb #c6484c0f
-def model_label(model:str, # a model spec or name: 'openai:gpt-5.4@high', 'hf:/models/Qwen3-0.6B'
-                reasoning:str|None=None, # reasoning effort, if not in the name ('-' = none given)
-               )->str: # short display label 'name (effort)'
-    "A short display label for a model configuration (a control such as `shortcut:longest` keeps its kind)"
-    name = str(model).strip()
-    kind = re.match(r"^([a-z][a-z0-9_]*):(?!//)", name)
-    if kind and not label_keeps_kind(kind[1]): name = name[kind.end():]   # the backend registry says which kinds keep their prefix
-    base, effort = split_effort(name)
-    if "/" in base: base = base.rstrip("/").rsplit("/", 1)[-1]
-    if reasoning is not None and not pd.isna(reasoning) and str(reasoning).strip() not in ("", "-"): effort = str(reasoning).strip()
-    return f"{base} ({effort})" if effort else base
 
 # %% ../../nbs/figures/12_plots.ipynb #a75dc6e9
 def find_reference_dir(path:str|Path|None=None, # explicit folder of the reference CSVs, or a repository root
@@ -333,7 +311,7 @@ def category_key(dimension:str, # provenance, content or split
 
 # %% ../../nbs/figures/12_plots.ipynb #f7c65627
 def _breakdown_frame(dim, paper_rows, run_rows, metric):
-    "One panel's data: key, category, value, n, source (+ lo/hi for this run), known categories included"
+    "One panel's data: key, category, value, n, source (+ lo/hi for this run), known categories included (derived framings only where present)"
     parts = []
     if len(paper_rows):
         n = paper_rows["items"] if "items" in paper_rows else pd.Series(np.nan, index=paper_rows.index)
@@ -346,7 +324,7 @@ def _breakdown_frame(dim, paper_rows, run_rows, metric):
                                    "lo": get(f"{metric}_lo"), "hi": get(f"{metric}_hi")}))
         shown = {category_key(dim, k): v for k, v in category_names(dim).items()}
         have = {k for p in parts for k in p.key}
-        extra = [k for k in shown if k not in have]
+        extra = [k for k in shown if k not in have and not (dim == "provenance" and k in taxonomy.derived_provenances())]  # a derived framing only where present
         if extra: parts.append(pd.DataFrame({"key": extra, "category": [shown[k] for k in extra], "value": np.nan, "n": np.nan,
                                              "source": "known"}))
     return pd.concat(parts, ignore_index=True)

@@ -13,11 +13,11 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
 from ..core import CONDITIONS
-from ..metrics.core import bootstrap_ci, SHOWN_METRICS, shown_metrics
+from ..metrics.core import bootstrap_ci, SHOWN_METRICS, shown_metrics, interval_note, MetricsError
 from ..metrics.paper import table1, breakdowns, mean_models
 from ..metrics.io import read_predictions
 from ..tables import write_table, markdown_table
-from .plots import category_key, plot_accuracy_by_condition, CONDITION_COLORS
+from .plots import category_key, plot_accuracy_by_condition, CONDITION_COLORS, paper_reference
 from ..run.params import Params, ModelRun
 from ..models.base import model_spec
 
@@ -26,7 +26,7 @@ __all__ = ['TABLE1_VALUES', 'BREAKDOWN_VALUES', 'SHUFFLED_METRICS', 'SHUFFLED_VA
            'ONE_MODEL_NOTE', 'read_runs', 'run_table1', 'run_breakdowns', 'table1_side_by_side', 'with_intervals',
            'write_side_by_side', 'breakdowns_side_by_side', 'write_breakdowns', 'shuffled_accuracy',
            'plot_accuracy_with_shuffled', 'summary_table', 'model_note', 'model_notes', 'is_llm_free',
-           'summary_markdown']
+           'summary_markdown', 'paper_mean_note']
 
 # %% ../../nbs/figures/15b_tables.ipynb #52551ee6
 TABLE1_VALUES = {k: SHOWN_METRICS[k].heading for k in shown_metrics(paper=True)}                # beside the paper: its six columns
@@ -98,9 +98,10 @@ def write_side_by_side(table:pd.DataFrame,      # a side-by-side table (every co
                        stem:str|Path,           # output path without extension
                        values:Mapping[str, str], # the value columns shown in .md/.tex, {column: header}
                        keep:Sequence[str]=("source", "model"), # label columns shown first
+                       note:str="",             # the line saying which interval the cells show (`metrics.core.interval_note`)
                       )->list[Path]: # stem.csv (every column, full precision), stem.md and stem.tex (values with intervals)
     "Write a side-by-side table: CSV with every column, markdown and LaTeX with intervals in the cells"
-    return write_table(table, stem, display=with_intervals(table, values, keep))
+    return write_table(table, stem, display=with_intervals(table, values, keep), note=note)
 
 # %% ../../nbs/figures/15b_tables.ipynb #ae0058a5
 def breakdowns_side_by_side(run:pd.DataFrame,   # this run's breakdowns (`run_breakdowns`)
@@ -120,13 +121,15 @@ def breakdowns_side_by_side(run:pd.DataFrame,   # this run's breakdowns (`run_br
 # %% ../../nbs/figures/15b_tables.ipynb #5032057e
 def write_breakdowns(table:pd.DataFrame, # `breakdowns_side_by_side`
                      out_dir:str|Path,   # figures_dir
+                     note:str="",        # the line saying which interval the cells show (`metrics.core.interval_note`)
                     )->list[Path]: # breakdowns.{csv,md,tex} and breakdowns_{dimension}.{csv,md,tex}
     "Write the breakdowns: all dimensions in one table and one table per dimension"
-    paths = write_side_by_side(table, Path(out_dir) / "breakdowns", BREAKDOWN_VALUES,
-                               keep=("source", "model", "dimension", "category", "n_items", "n_clean_correct"))
+    shown = {c: h for c, h in BREAKDOWN_VALUES.items() if c in table}   # pushback columns only where the run has that condition
+    paths = write_side_by_side(table, Path(out_dir) / "breakdowns", shown,
+                               keep=("source", "model", "dimension", "category", "n_items", "n_clean_correct"), note=note)
     for dim in dict.fromkeys(table.dimension):
         paths += write_side_by_side(table[table.dimension == dim].reset_index(drop=True), Path(out_dir) / f"breakdowns_{dim}",
-                                    BREAKDOWN_VALUES, keep=("source", "model", "category", "n_items", "n_clean_correct"))
+                                    shown, keep=("source", "model", "category", "n_items", "n_clean_correct"), note=note)
     return paths
 
 # %% ../../nbs/figures/15b_tables.ipynb #f4d81622
@@ -223,11 +226,19 @@ def is_llm_free(prm:Params)->bool:
     "True when no model of the params is a language model (the offline demo: baselines and controls only)"
     return all(model_spec(e.model).control for e in prm.models)
 
+# %% ../../nbs/figures/15b_tables.ipynb #dae2a852
 def _mean_note(summary:pd.DataFrame, prm:Params)->str:
     "What the summary's Mean column averages, or why it has none"
     if is_llm_free(prm): return NO_MEAN_NOTE
     return MEAN_NOTE if any(c.startswith("this run: Mean") for c in summary.columns) else ONE_MODEL_NOTE
 
+# %% ../../nbs/figures/15b_tables.ipynb #ab7f4de2
+def _paper_mean_note(prm:Params)->str:
+    "`paper_mean_note` of the params' reference table (nothing when the reference files are not there)"
+    try: return paper_mean_note(paper_reference(prm.reference_dir)["table1"])
+    except MetricsError: return ""
+
+# %% ../../nbs/figures/15b_tables.ipynb #ff056a25
 def summary_markdown(summary:pd.DataFrame, # `summary_table`
                      prm:Params,           # the params the outputs were made with
                     )->str: # markdown
@@ -240,10 +251,25 @@ def summary_markdown(summary:pd.DataFrame, # `summary_table`
                 "paper's models run with `make figures P=paper`.", ""]
     out += [markdown_table(summary).rstrip("\n"), "",
             f"This run: {_DATA_TEXT.get(run.data, f'`{run.data}`')}, {n} items{f' (the first {run.limit})' if run.limit else ''}, "
-            f"conditions {', '.join(run.conditions)}; values in percent with 95% paired-bootstrap intervals ({prm.n_boot} "
-            f"resamples, seed {run.seed}). Paper: the Mean row of its Table 1 (`data/reference/paper_table1_main.csv`), the "
-            "unweighted mean over its model configurations on the full release.", "",
+            f"conditions {', '.join(run.conditions)}; values in percent. {interval_note(prm.n_boot, run.seed)} "
+            "Paper: the Mean row of its Table 1 (`data/reference/paper_table1_main.csv`), on the full release. "
+            + _paper_mean_note(prm), "",
             _mean_note(summary, prm), "",
             "Models in this run:", "", model_notes(prm.models).rstrip("\n"), ""]
     if prm.file: out += [f"Made with `medsafe figures --params {prm.file}`.", ""]
     return "\n".join(out)
+
+# %% ../../nbs/figures/15b_tables.ipynb #59a7c5cc
+def paper_mean_note(paper:pd.DataFrame, # the paper's Table 1 (`plots.paper_reference()["table1"]`), its Mean row included
+                    tol:float=0.1,      # the printed rounding: a mean within this of the mean of its rows is that mean
+                   )->str:              # one paragraph
+    "How the paper's Mean row relates to its own rows, metric by metric, and how this run's Mean is computed"
+    rows, mean = paper[paper.model != "Mean"], paper[paper.model == "Mean"]
+    if mean.empty or rows.empty: return "This run's Mean row is the unweighted mean over distinct language models of every metric."
+    mean = mean.iloc[0]
+    fits = {h: (float(mean[k]), float(rows[k].mean())) for k, h in TABLE1_VALUES.items() if k in rows}
+    agree = [h for h, (p, m) in fits.items() if abs(p - m) <= tol]
+    differ = [f"{h} {p:.1f} (the mean of its rows: {m:.1f})" for h, (p, m) in fits.items() if abs(p - m) > tol]
+    text = f"The paper's Mean row: {', '.join(agree) or 'no metric'} {'is' if len(agree) == 1 else 'are'} the unweighted mean of its {len(rows)} configurations' rows"
+    if differ: text += f"; its printed {', '.join(differ)} {'is' if len(differ) == 1 else 'are'} not, and the paper does not say how {'it was' if len(differ) == 1 else 'they were'} computed"
+    return text + ". This run's Mean row is the unweighted mean over distinct language models of every metric, accuracies included."

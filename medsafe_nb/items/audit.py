@@ -12,10 +12,10 @@ from .schema import Item
 
 # %% auto #0
 __all__ = ['AUTHORITY_MARKERS', 'PATIENT_MARKERS', 'STYLE_MARKERS', 'MARKER_KINDS', 'SHORTCUTS', 'AUDIT_RULES', 'PROBES',
-           'PROBE_FOLDS', 'PROBE_MIN_ITEMS', 'PROBE_REPEATS', 'AUDIT_TABLES', 'count_markers', 'content_tokens',
-           'shortcut_evidence', 'shortcut_answer', 'type2_contexts', 'shortcut_table', 'length_rank_table',
-           'marker_table', 'probe_folds', 'probe_sentences', 'probe_scores', 'probe_picks', 'probe_table',
-           'probe_words', 'standout_items', 'audit', 'audit_summary', 'write_audit', 'audit_report']
+           'PROBE_FOLDS', 'PROBE_MIN_ITEMS', 'PROBE_REPEATS', 'AUDIT_TABLES', 'WILSON_NOTE', 'count_markers',
+           'content_tokens', 'shortcut_evidence', 'shortcut_answer', 'type2_contexts', 'shortcut_table',
+           'length_rank_table', 'marker_table', 'probe_folds', 'probe_sentences', 'probe_scores', 'probe_picks',
+           'probe_table', 'probe_words', 'standout_items', 'audit', 'audit_summary', 'write_audit', 'audit_report']
 
 # %% ../../nbs/items/03a_audit.ipynb #9e318a34
 AUTHORITY_MARKERS = {
@@ -76,6 +76,7 @@ def content_tokens(text:str, language:str="en")->set:
     if language == "zh": return {run[i:i+2] for run in _CJK.findall(text or "") for i in range(max(len(run)-1, 1))}
     return {w[:5] for w in _WORD.findall((text or "").lower()) if len(w) >= 3 and w not in _STOP}
 
+# %% ../../nbs/items/03a_audit.ipynb #e32d874f
 def shortcut_evidence(shortcut:str, # one of AUDIT_RULES
                       options:dict, # option key -> text
                       contexts,     # (key, sentence) pairs shown, in display order
@@ -106,6 +107,7 @@ def shortcut_answer(shortcut:str,   # one of AUDIT_RULES
     top = max(ev.values())
     return min((k for k, v in ev.items() if v == top), key=lambda k: stable_hash("medsafe-shortcut", shortcut, question, k))
 
+# %% ../../nbs/items/03a_audit.ipynb #4c3c54e4
 def type2_contexts(item:Item)->tuple:
     "The `(key, sentence)` pairs of an item's Type 2 context, in option order"
     return tuple((k, item.contexts[k]) for k in item.keys if k in item.contexts)
@@ -116,6 +118,7 @@ def _wilson(k:int, n:int)->tuple[float, float]:
     lo, hi = proportion_confint(k, n, alpha=0.05, method="wilson")
     return 100 * lo, 100 * hi
 
+# %% ../../nbs/items/03a_audit.ipynb #876e54e8
 def _groups(items:list[Item])->list[tuple[str, str, list]]:
     "(split, provenance, items) for every split × provenance, every split, every provenance and everything"
     splits = sorted({it.split for it in items}, key=lambda s: (s == "custom", s))
@@ -128,6 +131,7 @@ def _groups(items:list[Item])->list[tuple[str, str, list]]:
             if g: out.append((s, p, g))
     return out
 
+# %% ../../nbs/items/03a_audit.ipynb #2054b5de
 def shortcut_table(items:list[Item],        # items with context sentences
                    shortcuts=AUDIT_RULES,    # rules to run
                    margin:float=10.0,        # flag when accuracy - chance exceeds this, in points
@@ -222,17 +226,21 @@ def _probe_vectorizer(probe:str):
     if probe == "length": return None
     raise ConfigError(f"unknown probe {probe!r}; known: {', '.join(PROBES)}")
 
+# %% ../../nbs/items/03a_audit.ipynb #72398798
 def _probe_matrix(vec, sents:pd.DataFrame):
     "The feature matrix of every sentence (the vocabulary is fit on the texts alone, never on which sentence is gold)"
     if vec is None: return sents[list(_LENGTH_FEATURES)].to_numpy(float)
     return vec.fit_transform(sents.text).tocsr()
 
+# %% ../../nbs/items/03a_audit.ipynb #e7dad727
 _PROBE_C = {"words": 1.0, "chars": 10.0, "length": 1.0}   # inverse L2 strength: binary counts vs unit-norm TF-IDF rows
 
+# %% ../../nbs/items/03a_audit.ipynb #53e54599
 def _probe_model(probe:str, X, y, seed:int):
     from sklearn.linear_model import LogisticRegression
     return LogisticRegression(C=_PROBE_C[probe], max_iter=2000, random_state=seed).fit(X, y)
 
+# %% ../../nbs/items/03a_audit.ipynb #714629c1
 def probe_scores(sents:pd.DataFrame,    # `probe_sentences` of single-answer items
                  probe:str="words",     # one of PROBES
                  folds:int=PROBE_FOLDS, # cross-validation folds, grouped by item
@@ -250,12 +258,12 @@ def probe_scores(sents:pd.DataFrame,    # `probe_sentences` of single-answer ite
         out.loc[test, "score"] = model.decision_function(X[test])
     return out
 
+# %% ../../nbs/items/03a_audit.ipynb #1da41b68
 def probe_picks(scored:pd.DataFrame)->pd.Series:
     "The key each item's probe picks: its highest-scoring sentence (ties broken by a stable hash of item and key, a fair draw)"
     tie = [stable_hash("medsafe-probe-tie", i, k) for i, k in zip(scored.item_id, scored.key)]
     best = scored.assign(_tie=tie).sort_values(["item_id", "score", "_tie"], ascending=[True, False, True], kind="stable")
     return best.drop_duplicates("item_id").set_index("item_id").key
-
 
 # %% ../../nbs/items/03a_audit.ipynb #ef1e7bab
 def probe_table(items:list[Item],       # items with context sentences
@@ -356,7 +364,7 @@ def audit_summary(a:dict,          # what `audit` returned
     "A text summary of an audit: rule and probe accuracies vs chance, length rank, markers, the words that carry the probe, flags"
     sc, pr = a["shortcuts"], a["probe"]
     tot = sc[(sc.split == "all") & (sc.provenance == "all")]
-    lines = [f"{n} items; Type 2 accuracy of non-medical readers (single-answer items, chance {tot.chance.iloc[0]:.1f} %):"]
+    lines = [f"{n} items; Type 2 accuracy of non-medical readers (single-answer items, chance {tot.chance.iloc[0]:.1f} %; 95 % Wilson intervals):"]
     for r in tot.itertuples():
         lines.append(f"  {r.shortcut:<13} {r.accuracy:5.1f} % [{r.ci_lo:.1f}, {r.ci_hi:.1f}]  ({round(r.above_chance, 1) + 0.0:+.1f} vs chance)")
     ptot = pr[(pr.split == "all") & (pr.provenance == "all")]
@@ -379,13 +387,19 @@ def audit_summary(a:dict,          # what `audit` returned
     else: lines.append(f"no rule or probe beats chance by more than {margin:g} points")
     return "\n".join(lines)
 
+# %% ../../nbs/items/03a_audit.ipynb #7c3c834a
 AUDIT_TABLES = ("shortcuts", "probe", "probe_words", "length_rank", "markers")
+WILSON_NOTE = ("ci_lo, ci_hi: 95 % Wilson score interval of each accuracy, over the single-answer items of its row "
+               "(an audit number of its own: no other table shows it)")
 
+# %% ../../nbs/items/03a_audit.ipynb #4daef238
 def write_audit(a:dict, out:str|Path)->list[Path]:
     "Write an audit's tables as audit_<name>.csv/.md/.tex in `out`"
     from medsafe_nb.tables import write_table
-    return [p for name in AUDIT_TABLES for p in write_table(a[name].round(2), Path(out)/f"audit_{name}", decimals=1)]
+    return [p for name in AUDIT_TABLES for p in write_table(a[name].round(2), Path(out)/f"audit_{name}", decimals=1,
+                                                            note=WILSON_NOTE if "ci_lo" in a[name] else "")]
 
+# %% ../../nbs/items/03a_audit.ipynb #d71fa5a0
 def audit_report(data,                  # items, `sample`, `hf`, or a release file / folder
                  out:str|Path|None=None, # folder for the audit_* tables (.csv .md .tex)
                  margin:float=10.0,     # flag threshold above chance, in points
@@ -397,4 +411,3 @@ def audit_report(data,                  # items, `sample`, `hf`, or a release fi
     a = audit(items, margin, min_n)
     if out is not None: write_audit(a, out)
     return audit_summary(a, len(items), margin)
-

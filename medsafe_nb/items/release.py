@@ -6,6 +6,8 @@
 from __future__ import annotations
 import hashlib, json, os
 from pathlib import Path
+from typing import TYPE_CHECKING
+if TYPE_CHECKING: import pandas as pd          # the tables' type; pandas itself is imported when a table is made
 from ..core import MedsafeError, ConfigError, SchemaError, ValidationErrors, SPLITS, repo_root
 from .schema import Item, parse_records, iter_records, item_from_record, item_to_record
 from .taxonomy import CONTENT, PROVENANCE
@@ -51,6 +53,7 @@ def _local_files(path:Path)->list[Path]:
 # %% ../../nbs/items/03_release.ipynb #47007e30
 def _truthy(v)->bool: return str(v or "").strip().lower() in ("1", "true", "yes", "on")
 
+# %% ../../nbs/items/03_release.ipynb #5ac78fd8
 def hub_offline_reason(timeout:float=3.0, # seconds to wait for a TCP connection to the Hub
                       )->str|None:        # why the Hub cannot be used now, or None when it answers
     "Offline mode switched on, or the Hub endpoint (`$HF_ENDPOINT`, default huggingface.co) not answering"
@@ -133,8 +136,10 @@ def load_medmisbench(config:str="all",    # a release config (MEDMISQA, …), se
     if configs != CONFIGS: return [it for it in items if it.split in configs]
     return list(items)
 
+# %% ../../nbs/items/03_release.ipynb #2ceea45e
 _LOADED: dict = {}   # files' (path, inode, mtime, size) -> their parsed items: the runs of one report or packet share one release
 
+# %% ../../nbs/items/03_release.ipynb #1200a911
 def _files_stamp(files:list[Path])->tuple|None:
     "What identifies the files' contents without reading them; None when one cannot be stat'ed (then nothing is cached)"
     try: return tuple((str(f.resolve()), (st := f.stat()).st_ino, st.st_mtime_ns, st.st_size) for f in files)
@@ -163,10 +168,12 @@ def composition(items:list[Item], by=("split", "content", "provenance"))->"pd.Da
 
 # %% ../../nbs/items/03_release.ipynb #26307ebb
 def cell_table(items:list[Item])->"pd.DataFrame":
-    "Content × provenance counts (rows in taxonomy order, with totals)"
+    "Content × provenance counts (rows in taxonomy order, with totals; a derived framing only where items carry it)"
     import pandas as pd
+    present = {i.provenance for i in items}
+    cols = [p.name for k, p in PROVENANCE.items() if not p.derived or k in present]
     t = pd.crosstab(pd.Categorical([CONTENT[i.content].name if i.content in CONTENT else None for i in items], [c.name for c in CONTENT.values()]),
-                    pd.Categorical([PROVENANCE[i.provenance].name if i.provenance in PROVENANCE else None for i in items], [p.name for p in PROVENANCE.values()]),
+                    pd.Categorical([PROVENANCE[i.provenance].name if i.provenance in PROVENANCE else None for i in items], cols),
                     margins=True, margins_name="total", dropna=False)
     t.index.name, t.columns.name = "content", "provenance"
     return t

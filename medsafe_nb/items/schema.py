@@ -33,13 +33,13 @@ RELEASE_FIELDS = ("id", "source_dataset", "question", *OPTION_FIELDS, "answer", 
                   "injection_content", "injection_provenance", *CONTEXT_FIELDS)
 
 # %% ../../nbs/items/01a_schema.ipynb #70ad4de7
-_BLANKS = {"", "nan", "none", "null", '"', "'", '""', "''"}
+_BLANKS = {"", '"', "'", '""', "''"}
 
 def is_blank(v:Any)->bool:
-    "True when a release cell means 'no value'"
+    "True when a release cell means 'no value': missing, null, NaN, blank or a lone quote (the text None, N/A or nan is a value)"
     if v is None: return True
     if isinstance(v, float) and math.isnan(v): return True
-    return isinstance(v, str) and v.strip().lower() in _BLANKS
+    return isinstance(v, str) and v.strip() in _BLANKS
 
 # %% ../../nbs/items/01a_schema.ipynb #ddaffcfb
 def cell(v:Any)->str|None:
@@ -176,6 +176,9 @@ def item_from_record(rec:dict,                   # one release row
     stem = question
     if filled:
         last = OPTION_FIELDS.index(filled[-1][0])
+        if filled[-1][1] == "nan":     # a missing value written out as text (pandas), not an option called nan
+            first = next(f for i, (f, t) in enumerate(filled) if all(t2 == "nan" for _, t2 in filled[i:]))
+            raise SchemaError(f"reads 'nan' from {first} to {filled[-1][0]}: empty option slots written as the text nan; leave them empty", field=first, **loc)
         gaps = [f for f, t in texts[:last+1] if t is None]
         if gaps: raise SchemaError(f"option slots must be contiguous from opa; {gaps[0]} is empty", field=gaps[0], **loc)
         option_texts = [t for _, t in filled]
@@ -262,6 +265,7 @@ def _check_path(path:Path):
     if not path.is_file(): raise MedsafeError(f"{path}: not a regular file")
     if not os.access(path, os.R_OK): raise MedsafeError(f"{path}: permission denied (the file is not readable by this user)")
 
+# %% ../../nbs/items/01a_schema.ipynb #039007b9
 def _check_head(path:Path, head:bytes, what:str="file"):
     "Reject an empty, UTF-16/32, or binary start of a text file"
     if not head.strip(b" \t\r\n\xef\xbb\xbf"): raise SchemaError(f"empty {what}: no rows", file=path, field="(file)")
@@ -273,6 +277,7 @@ def _check_head(path:Path, head:bytes, what:str="file"):
             raise SchemaError("looks like UTF-16 text without a byte-order mark; save it as UTF-8", file=path, field="(file)")
         raise SchemaError(f"a binary {what}, not UTF-8 text (it holds NUL bytes)", file=path, field="(file)")
 
+# %% ../../nbs/items/01a_schema.ipynb #8adb51b6
 def _text_lines(f, path:Path, limit:int)->Iterator[tuple[int, str]]:
     "(physical line number, decoded line) from a binary file object, each line at most `limit` bytes"
     n = 0
@@ -287,6 +292,7 @@ def _text_lines(f, path:Path, limit:int)->Iterator[tuple[int, str]]:
         except UnicodeDecodeError as e:
             raise SchemaError(f"is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8", file=path, line=n, field="(file)") from None
 
+# %% ../../nbs/items/01a_schema.ipynb #af4fc597
 def _json_value(text:str, path:Path, line:int|None, where:str):
     try: return json.loads(text)
     except json.JSONDecodeError as e: raise SchemaError(f"invalid JSON ({e.msg} at column {e.colno})", file=path, line=line if line is not None else e.lineno, field=where) from None
@@ -300,6 +306,7 @@ def _jsonl(path:Path, f, limit:int)->Iterator[tuple[int, dict]]:
         if not isinstance(rec, dict): raise SchemaError(f"a row must be a JSON object, got {type(rec).__name__}", file=path, line=n, field="(row)")
         yield n, rec
 
+# %% ../../nbs/items/01a_schema.ipynb #160a7a19
 def _json(path:Path, f, limit:int)->Iterator[tuple[int, dict]]:
     data = f.read(64 * limit + 1)
     if len(data) > 64 * limit: raise SchemaError(f"a .json file over {64 * limit:,} bytes is read whole; write it as .jsonl (one row per line)", file=path, field="(file)")
@@ -316,6 +323,7 @@ def _json(path:Path, f, limit:int)->Iterator[tuple[int, dict]]:
         if not isinstance(rec, dict): raise SchemaError(f"row {n} must be a JSON object, got {type(rec).__name__}", file=path, line=n, field="(row)")
         yield n, rec
 
+# %% ../../nbs/items/01a_schema.ipynb #9c19ca13
 def _csv(path:Path, f, limit:int)->Iterator[tuple[int, dict]]:
     lines = _text_lines(f, path, limit)
     pos = {"n": 0}

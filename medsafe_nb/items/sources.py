@@ -152,6 +152,7 @@ def _hle_in_scope(rec:dict)->bool:
     return (str(rec.get("answer_type", "multipleChoice")).lower() == "multiplechoice" and not cell(rec.get("image"))
             and "medicine" in str(rec.get("category", "Biology/Medicine")).lower())
 
+# %% ../../nbs/items/02_sources.ipynb #f6a100b8
 def _hle(rec:dict, loc:dict)->Item:
     stem, opts = split_hle_options(cell(rec.get("question")) or "")
     if not opts: raise SchemaError("no answer choices found in the question (expected 'Answer Choices:' then 'A. …' lines)", field="question", **loc)

@@ -14,6 +14,7 @@ __all__ = ['subset_allocation', 'subset_items', 'subset_record']
 # %% ../../nbs/items/03b_subset.ipynb #b49b6f0d
 def _stratum(it:Item)->tuple: return (it.split, it.content or "", it.provenance or "")
 
+# %% ../../nbs/items/03b_subset.ipynb #54e3bf06
 def subset_allocation(sizes:dict,  # stratum -> items in it
                       n:int,       # items to draw
                       seed:int=0,  # breaks ties between equal remainders
@@ -29,12 +30,15 @@ def subset_allocation(sizes:dict,  # stratum -> items in it
 
 # %% ../../nbs/items/03b_subset.ipynb #56075ba1
 def subset_items(items:list[Item], # the loaded items
-                 n:int|None,       # items to draw (None, or n >= len(items): all)
+                 n:int|None,       # items to draw (None, or n == len(items): all; more than there are is an error)
                  seed:int=0,       # another seed, another (again fixed) draw
                 )->list[Item]:     # the drawn items, in file order
     "A deterministic sample of `n` items, stratified by split × content × provenance"
-    if n is None or n >= len(items): return list(items)
+    if n is None: return list(items)
     if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1): raise ConfigError(f"subset: expected an integer >= 1, got {n!r}")
+    if n > len(items): raise ConfigError(f"subset: {n} items asked for, but the data holds {len(items)} (after --limit); "
+                                         f"give --subset {len(items)} or fewer, or drop --subset to run them all")
+    if n == len(items): return list(items)
     strata: dict = {}
     for it in items: strata.setdefault(_stratum(it), []).append(it)
     alloc = subset_allocation({s: len(v) for s, v in strata.items()}, n, seed)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from ..core import LabelError
 
 # %% auto #0
-__all__ = ['CONTENT', 'PROVENANCE', 'Category', 'label_norm', 'normalize_content', 'normalize_provenance', 'register_content',
-           'register_provenance', 'candidate_contents']
+__all__ = ['CONTENT', 'PROVENANCE', 'REWRITTEN_FROM', 'Category', 'generated_provenances', 'derived_provenances', 'label_norm',
+           'normalize_content', 'normalize_provenance', 'register_content', 'register_provenance', 'candidate_contents']
 
 # %% ../../nbs/items/01_taxonomy.ipynb #7be26fe0
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Category:
     prerequisite: str    # what an item needs before this category can be applied to it
     failure: str         # what makes an application invalid (the gate rejects it)
     aliases: tuple = ()  # other spellings seen in the wild
+    derived: bool = False # made by rewriting an item's released sentences (`medsafe rewrite`), never assigned by a build
 
 # %% ../../nbs/items/01_taxonomy.ipynb #08f60153
 def _add(table:dict, c:Category):
@@ -89,6 +90,27 @@ _add(PROVENANCE, Category("authority", "Authority", "Authority", "Authority",
     ("Authority (Guideline, Discharge Note, SOP)", "Authority Claim", "Authority Framing", "Expert Authority",
      "Guideline / Authority", "Institutional Authority", "Authority Citation", "Authoritative")))
 
+# %% ../../nbs/items/01_taxonomy.ipynb #94b217c7
+_add(PROVENANCE, Category("patient_colloquial", "Patient (colloquial)", "Patient (colloq.)", "Patient (colloquial)",
+    "Rewrites the misleading claim as a patient would type it into a forum or a chat: first person or about a relative, everyday words, hedged and unsure, loose grammar; the claim itself (its point, its option, its numbers) is unchanged.",
+    "The item already has its misleading sentences (a release or a build): the rewrite changes how each one is voiced, never what it claims.",
+    "The rewrite changes the claim (negates it, drops or adds a number, names the correct answer, stops naming its option) or still reads as a clinician's statement.",
+    ("Patient Colloquial", "Colloquial Patient", "Patient (colloquial speech)", "Patient Colloquial Speech", "Patient (own words)",
+     "Patient's Own Words", "Patient Own Words", "Patient Voice", "Colloquial"), derived=True))
+
+# %% ../../nbs/items/01_taxonomy.ipynb #ba124f2f
+def generated_provenances()->list[str]:
+    "Keys of the framings a build assigns to generated sentences: every registered framing but the derived ones"
+    return [k for k, c in PROVENANCE.items() if not c.derived]
+
+# %% ../../nbs/items/01_taxonomy.ipynb #6df05ca8
+def derived_provenances()->list[str]:
+    "Keys of the framings made by rewriting released sentences (`medsafe rewrite`), listed only where items carry them"
+    return [k for k, c in PROVENANCE.items() if c.derived]
+
+# %% ../../nbs/items/01_taxonomy.ipynb #f885f937
+REWRITTEN_FROM = "rewritten_from"   # the release column of a derived item: the id of the item whose sentences it rewrote
+
 # %% ../../nbs/items/01_taxonomy.ipynb #643a1e13
 from functools import lru_cache
 
@@ -105,6 +127,7 @@ def _lookup(table:dict)->dict:
         for s in (c.key, c.name, c.short, c.release_label, *c.aliases): look[label_norm(s)] = c.key
     return look
 
+# %% ../../nbs/items/01_taxonomy.ipynb #4b7c6ce0
 def _normalize(label, table:dict, kind:str)->str:
     look = _lookup(table)
     n = label_norm(label)

@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['REQUIRED_COLUMNS', 'KEY_COLUMNS', 'METRIC_KINDS', 'SHOWN_METRICS', 'TABLE1_METRICS', 'USAGE_COLUMNS', 'MetricsError',
            'MetricsWarning', 'row_keys', 'fail_rows', 'validate_predictions', 'predictions_from_answers',
-           'per_item_counts', 'clean_correct', 'percent_of', 'group_metrics', 'condition_metrics', 'accuracy',
-           'invalid_rate', 'attack_success_rate', 'targeted_attack_success_rate', 'flip_to_invalid_rate', 'rescue_rate',
-           'ShownMetric', 'shown_metrics', 'overall_metrics', 'mean_over_splits', 'mean_over_models', 'count_chunks',
-           'bootstrap_counts', 'bootstrap_groups', 'percentile_interval', 'mean_over_models_boot', 'bootstrap_ci',
-           'usage']
+           'per_item_counts', 'clean_correct', 'percent_of', 'metric_parts', 'group_metrics', 'condition_metrics',
+           'accuracy', 'invalid_rate', 'attack_success_rate', 'targeted_attack_success_rate', 'flip_to_invalid_rate',
+           'rescue_rate', 'ShownMetric', 'absent_metrics', 'shown_metrics', 'overall_metrics', 'mean_over_splits',
+           'mean_over_models', 'count_chunks', 'bootstrap_counts', 'bootstrap_groups', 'percentile_interval',
+           'mean_over_models_boot', 'bootstrap_ci', 'interval_note', 'usage']
 
 # %% ../../nbs/metrics/11_core.ipynb #daae6fd2
 import itertools, warnings
@@ -172,12 +172,18 @@ def percent_of(num, den):
     num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     with np.errstate(invalid="ignore", divide="ignore"): return np.where(den > 0, 100 * num / np.where(den > 0, den, 1), np.nan)
 
+# %% ../../nbs/metrics/11_core.ipynb #acac215d
+def metric_parts(items:pd.DataFrame, spec:tuple)->tuple[np.ndarray, np.ndarray]:
+    "A metric's per-item numerator and denominator: `(condition, kind)`, or the two arrays themselves (any other ratio)"
+    if isinstance(spec[0], str): return _parts(items, *spec)
+    return np.asarray(spec[0], dtype=float), np.asarray(spec[1], dtype=float)
+
 # %% ../../nbs/metrics/11_core.ipynb #57cb66d8
 def group_metrics(items:pd.DataFrame, by:list, metrics:Mapping[str, tuple])->pd.DataFrame:
-    "Point estimates of `metrics` ({name: (condition, kind)}) within each group of `items` (groups in order of appearance)"
+    "Point estimates of `metrics` ({name: (condition, kind) or (num, den) arrays}) within each group of `items` (groups in order of appearance)"
     cols = {}
-    for name, (cond, kind) in metrics.items():
-        cols[f"{name}__num"], cols[f"{name}__den"] = _parts(items, cond, kind)
+    for name, spec in metrics.items():
+        cols[f"{name}__num"], cols[f"{name}__den"] = metric_parts(items, spec)
     sums = pd.DataFrame(cols, index=items.index).groupby([items[b] for b in by], sort=False, dropna=False).sum()
     return pd.DataFrame({name: percent_of(sums[f"{name}__num"], sums[f"{name}__den"]) for name in metrics}, index=sums.index)
 
@@ -252,6 +258,7 @@ class ShownMetric:
     @property
     def spec(self)->tuple: return (self.condition, self.kind)
 
+# %% ../../nbs/metrics/11_core.ipynb #6c93e7ee
 SHOWN_METRICS = {
     "clean_acc": ShownMetric("clean", "acc", "clean acc.", "clean"),
     "type1_acc": ShownMetric("type1", "acc", "Type 1 acc.", "T1 acc", summary=False),
@@ -260,7 +267,15 @@ SHOWN_METRICS = {
     "type1_tasr": ShownMetric("type1", "tasr", "Type 1 TASR", "T1 TASR"),
     "type2_asr": ShownMetric("type2", "asr", "Type 2 ASR", "T2 ASR"),
     "type2_rescue": ShownMetric("type2", "rescue", "Type 2 rescue", "T2 rescue", paper=False),
+    "type1_pushback_asr": ShownMetric("type1_pushback", "asr", "pushback ASR", "push ASR", paper=False, summary=False),
+    "type1_pushback_tasr": ShownMetric("type1_pushback", "tasr", "pushback TASR", "push TASR", paper=False, summary=False),
 }
+
+# %% ../../nbs/metrics/11_core.ipynb #75b0be9d
+def absent_metrics(preds:pd.DataFrame)->list:
+    "The shown metrics beyond the paper's whose condition has no row in `preds` (their columns are left out of the tables)"
+    present = set(preds.condition)
+    return [k for k, m in SHOWN_METRICS.items() if not m.paper and m.condition not in present]
 
 # %% ../../nbs/metrics/11_core.ipynb #03d2fb5f
 def shown_metrics(paper:bool|None=None,      # True: the paper's Table 1 columns only; False: the others only
@@ -317,8 +332,12 @@ def bootstrap_counts(n_items:int, # items to resample
     return np.concatenate([c for _, c in count_chunks(n_items, n_boot, seed)])
 
 # %% ../../nbs/metrics/11_core.ipynb #6324af30
-def bootstrap_groups(items:pd.DataFrame, by:list, metrics:Mapping, n_boot:int, seed:int):
-    "Groups (DataFrame of `by` keys) and bootstrap values (n_boot × groups × metrics), items resampled over the union of item ids"
+def bootstrap_groups(items:pd.DataFrame, # per-item rows (`per_item_counts`): `item_id` and the `by` columns
+                     by:list,             # the grouping columns
+                     metrics:Mapping,     # {name: (condition, kind) or (num, den) per-row arrays}
+                     n_boot:int, seed:int,
+                    )->tuple[pd.DataFrame, np.ndarray]: # groups (the `by` keys) and n_boot × groups × metrics of 100·Σnum/Σden
+    "Groups and bootstrap values of each metric, items resampled over the sorted union of item ids (one draw per seed for every table)"
     keys = items[by].astype(object).where(items[by].notna(), None)
     seen = keys.groupby(by, sort=False, dropna=False).ngroup().to_numpy()     # groups in order of appearance
     at = pd.Series(np.arange(len(items))).groupby(seen).first().to_numpy()
@@ -330,7 +349,7 @@ def bootstrap_groups(items:pd.DataFrame, by:list, metrics:Mapping, n_boot:int, s
     G, M, N = len(groups_df), len(metrics), len(universe)
     cols = (gcode[:, None] * M + np.arange(M)).ravel()
     rows = np.repeat(pos, M)
-    parts = [_parts(items, c, k) for c, k in metrics.values()]
+    parts = [metric_parts(items, spec) for spec in metrics.values()]
     num = sparse.csr_matrix((np.column_stack([p[0] for p in parts]).ravel(), (rows, cols)), shape=(N, G * M))
     den = sparse.csr_matrix((np.column_stack([p[1] for p in parts]).ravel(), (rows, cols)), shape=(N, G * M))
     out = np.empty((max(n_boot, 0), G * M))
@@ -378,6 +397,15 @@ def bootstrap_ci(preds:pd.DataFrame, # a predictions table
         out[f"{name}_lo"] = [lo[idx[m], j] for m in out.index]
         out[f"{name}_hi"] = [hi[idx[m], j] for m in out.index]
     return out
+
+# %% ../../nbs/metrics/11_core.ipynb #2fd0597c
+def interval_note(n_boot:int, # the resamples the intervals were drawn with (0: none)
+                  seed:int,   # their seed
+                 )->str:      # the line under a table with intervals ('' without)
+    "Which interval a table shows, in one line (every table of a run draws the same resamples)"
+    if n_boot <= 0: return ""
+    return (f"Intervals ([lo, hi], or the *_lo and *_hi columns): 95 % paired-bootstrap percentile intervals over items "
+            f"({n_boot} resamples, seed {seed}), the same resamples for every table, so a number shown twice has one interval.")
 
 # %% ../../nbs/metrics/11_core.ipynb #e1ad40c5
 USAGE_COLUMNS = ["model", "rows", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd"]

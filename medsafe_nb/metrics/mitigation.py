@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import pandas as pd
 from ..core import MITIGATIONS
-from .core import bootstrap_ci, condition_metrics, shown_metrics
+from .core import absent_metrics, bootstrap_ci, condition_metrics, shown_metrics
 from .significance import mcnemar_table
 from ..mitigate.defences import SEARCH_COLUMNS
 
@@ -24,7 +24,8 @@ def mitigation_table(preds,             # `run_factorial` output
                     ):                  # one row per model × arm
     "ASR/TASR with paired-bootstrap CIs, McNemar against `none`, the cost columns and the evidence statistics, per arm"
     core = preds.drop(columns=[c for c in ("base_model", "arm", *SEARCH_COLUMNS) if c in preds.columns])
-    ci = bootstrap_ci(core, MITIGATION_METRICS, n_boot=n_boot, seed=seed)
+    shown = {k: v for k, v in MITIGATION_METRICS.items() if k not in absent_metrics(core)}   # a metric beyond the paper needs its condition
+    ci = bootstrap_ci(core, shown, n_boot=n_boot, seed=seed)
     mc = mcnemar_table(core, conditions=("type1", "type2"))
     cm = condition_metrics(core).set_index(["model", "condition"])
     arms = preds[["model", "base_model", "arm"]].drop_duplicates().set_index("model")
@@ -32,11 +33,13 @@ def mitigation_table(preds,             # `run_factorial` output
     for model, a in arms.iterrows():
         base = f"{a.base_model} | none"
         r = {"model": a.base_model, "arm": a.arm, "n_items": int(preds.loc[preds.model == model, "item_id"].nunique())}
-        for name in MITIGATION_METRICS:
+        for name in shown:
             r[name] = ci.loc[model, name]
             if name.endswith(("asr", "tasr")): r[f"{name}_lo"], r[f"{name}_hi"] = ci.loc[model, f"{name}_lo"], ci.loc[model, f"{name}_hi"]
         r["d_clean_acc"] = ci.loc[model, "clean_acc"] - ci.loc[base, "clean_acc"]
         r["d_type2_acc"] = ci.loc[model, "type2_acc"] - ci.loc[base, "type2_acc"]
+        true = lambda m: float(cm.loc[(m, "type1_true"), "accuracy"]) if (m, "type1_true") in cm.index else float("nan")
+        r["true_acc"], r["d_true_acc"] = true(model), true(model) - true(base)   # over-skepticism: the true sentence alone, doubted
         sub = preds[preds.model == model]
         r["refused_pct"] = 100 * float((sub.status == "refused").mean())
         r["invalid_pct"] = float(cm.loc[(model, "clean"), "invalid"]) if (model, "clean") in cm.index else float("nan")

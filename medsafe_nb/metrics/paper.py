@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['TABLE1_COLUMNS', 'TABLE1_EXTRAS', 'ATTACKED', 'SCOPES', 'MEAN_OVER', 'CONFIGURATION_FIELDS', 'DIMENSIONS',
-           'BREAKDOWN_METRICS', 'BREAKDOWN_COLUMNS', 'model_scopes', 'missing_attacked', 'shared_items',
-           'language_models', 'samples_per_model', 'variant_label', 'derived_models', 'run_configuration',
-           'model_configurations', 'mean_models', 'table1', 'category_names', 'breakdowns', 'cross_breakdown']
+           'BREAKDOWN_METRICS', 'BREAKDOWN_COLUMNS', 'BREAKDOWN_EXTRAS', 'model_scopes', 'missing_attacked',
+           'shared_items', 'language_models', 'samples_per_model', 'variant_label', 'derived_models',
+           'run_configuration', 'model_configurations', 'mean_models', 'table1', 'category_names', 'breakdowns',
+           'cross_breakdown']
 
 # %% ../../nbs/metrics/11a_paper.ipynb #d9590a26
 import warnings
@@ -17,7 +18,7 @@ import pandas as pd
 
 from ..core import SPLITS
 from ..items import taxonomy
-from .core import (MetricsError, MetricsWarning, TABLE1_METRICS, SHOWN_METRICS, shown_metrics, validate_predictions, mean_over_models,
+from .core import (MetricsError, MetricsWarning, TABLE1_METRICS, SHOWN_METRICS, shown_metrics, absent_metrics, validate_predictions, mean_over_models,
                                 fail_rows, per_item_counts, group_metrics, bootstrap_groups, percentile_interval, mean_over_models_boot)
 
 # %% ../../nbs/metrics/11a_paper.ipynb #1cb78715
@@ -109,7 +110,7 @@ def _mean_items(items:pd.DataFrame, scopes:dict, mean_over:str, what:str)->tuple
     sizes = ", ".join(f"{m}: {len(s)}" for m, s in per.items())
     if mean_over == "all":
         raise MetricsError(f"{what}: the models were run on different item sets ({sizes} items; {len(common)} shared), so "
-                           f"their Mean would average different questions; pass mean_over='shared' for a Mean over the "
+                           f"their Mean would average different questions; pass --mean-over shared (in Python: mean_over='shared') for a Mean over the "
                            f"{len(common)} items every model answered, or leave out the Mean row")
     if not common: raise MetricsError(f"{what}: the models share no item ({sizes} items): no Mean over shared items")
     return items[items.item_id.isin(common)], f"Mean (shared items, n={len(common)})"
@@ -124,6 +125,7 @@ def language_models(preds:pd.DataFrame, # a predictions table, optionally with a
     lm = marks.language_model.map(lambda v: True if pd.isna(v) else bool(v)).groupby(marks.model.to_numpy(), sort=False).all()
     return [m for m in models if lm[m]]
 
+# %% ../../nbs/metrics/11a_paper.ipynb #66a1cb2e
 def samples_per_model(preds:pd.DataFrame)->pd.Series:
     "How many replies per prompt each model's rows hold (`--samples K`; 1 without a `sample` column)"
     if "sample" not in preds.columns: return pd.Series(1, index=pd.Index(dict.fromkeys(preds.model), name="model"))
@@ -143,6 +145,7 @@ def _variant_of(model:str, known:set)->str|None:
     parent = model[:model.rindex(" [")]
     return parent if parent in known else None
 
+# %% ../../nbs/metrics/11a_paper.ipynb #ca4de9ce
 def derived_models(preds:pd.DataFrame, # a predictions table
                   )->list:             # the derived rows' models, in order of appearance
     "Models named `variant_label(M, …)` beside a model M of the same table: another reading of M's run, not a model"
@@ -217,6 +220,7 @@ def table1(preds:pd.DataFrame, # a predictions table (one or more models)
         if len(lms) < len(out): label = "Mean (language models" + (")" if label == "Mean" else ", " + label[len("Mean ("):])
         mean.update(model=label, n_missing_attacked=lm_out.n_missing_attacked.sum(), scope=lm_out.scope.iloc[0], n_samples=lm_out.n_samples.max())
         out = pd.concat([out, pd.DataFrame([mean])[out.columns]], ignore_index=True)
+    out = out.drop(columns=[x for k in absent_metrics(df) for x in (k, f"{k}_lo", f"{k}_hi") if x in out])   # no row, no column
     fixed = {"n_items": int, "n_clean_correct": int, "n_missing_attacked": int, "n_samples": int}
     return out.astype({**fixed, **{c: float for c in out.columns if c not in ("model", "scope", *fixed)}})
 
@@ -227,7 +231,8 @@ DIMENSIONS = {"provenance": "provenance", "content": "content", "split": "source
 BREAKDOWN_METRICS = {**shown_metrics(kinds=("asr", "tasr")), "clean_acc": SHOWN_METRICS["clean_acc"].spec}   # the attack metrics, and clean accuracy
 
 # %% ../../nbs/metrics/11a_paper.ipynb #a076454c
-BREAKDOWN_COLUMNS = ["model", "dimension", "category", "n_clean_correct", *shown_metrics(kinds=("asr", "tasr"))]
+BREAKDOWN_COLUMNS = ["model", "dimension", "category", "n_clean_correct", *shown_metrics(paper=True, kinds=("asr", "tasr"))]   # the contract
+BREAKDOWN_EXTRAS = list(shown_metrics(paper=False, kinds=("asr", "tasr")))   # beyond the paper (pushback): where their condition has rows
 
 # %% ../../nbs/metrics/11a_paper.ipynb #4184afbe
 def category_names(dimension:str, # provenance, content or split
@@ -321,7 +326,8 @@ def breakdowns(preds:pd.DataFrame, # a predictions table
         out.append(rows.sort_values(["_m", "_c"]).drop(columns=["_m", "_c"]))
     res = pd.concat(out, ignore_index=True)
     ci_cols = [c for c in res.columns if c.endswith(("_lo", "_hi"))]
-    res = res[BREAKDOWN_COLUMNS + ["n_items", "clean_acc", "category_key"] + ci_cols]
+    absent = {x for k in absent_metrics(df) for x in (k, f"{k}_lo", f"{k}_hi")}   # the metrics beyond the paper's need their condition
+    res = res[BREAKDOWN_COLUMNS + [c for c in BREAKDOWN_EXTRAS if c not in absent] + ["n_items", "clean_acc", "category_key"] + [c for c in ci_cols if c not in absent]]
     return res.astype({"n_clean_correct": int, "n_items": int})
 
 # %% ../../nbs/metrics/11a_paper.ipynb #75c0865b
@@ -344,4 +350,5 @@ def cross_breakdown(preds:pd.DataFrame, # a predictions table
     for dim in (rows, cols):
         shown = category_names(dim, (names or {}).get(dim))
         out[dim] = out[f"{dim}_key"].map(lambda k: shown.get(k, k))
-    return out[["model", rows, cols, "n_items", "n_clean_correct", *BREAKDOWN_METRICS, f"{rows}_key", f"{cols}_key"]]
+    present = [m for m in BREAKDOWN_METRICS if m not in absent_metrics(df)]   # the metrics beyond the paper need their condition
+    return out[["model", rows, cols, "n_items", "n_clean_correct", *present, f"{rows}_key", f"{cols}_key"]]

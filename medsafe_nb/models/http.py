@@ -16,7 +16,8 @@ from .base import Backend, GenRequest, Generation, ScoreRequest, Scores
 __all__ = ['RETRY_STATUS', 'THROTTLE_STATUS', 'EFFORT_BUDGET', 'DEFAULT_MAX_NEW_TOKENS', 'REASONING_MAX_NEW_TOKENS',
            'CONNECT_TIMEOUT', 'status_of', 'is_transient', 'retry_after_s', 'wait_retry_after', 'retrying',
            'is_throttle', 'AIMDLimit', 'stream_as_completed', 'effort_budget', 'check_effort', 'MissingExtra',
-           'require_sdk', 'make_generation', 'tool_arguments', 'split_timeout', 'split_base_urls', 'APIBackend']
+           'require_sdk', 'make_generation', 'tool_arguments', 'system_and_turns', 'split_timeout', 'split_base_urls',
+           'APIBackend']
 
 # %% ../../nbs/models/08_http.ipynb #020f989a
 from ..core import scrub_secrets, safe_url   # one owner: the core notebook
@@ -33,6 +34,7 @@ def status_of(exc:BaseException)->int|None:
     c = getattr(exc, "code", None)                                  # google-genai APIError
     return c if isinstance(c, int) and 100 <= c < 600 else None
 
+# %% ../../nbs/models/08_http.ipynb #b4ac5080
 def is_transient(exc:BaseException)->bool:
     "True for failures worth retrying: 408/409/425/429, 5xx, timeouts and connection errors"
     s = status_of(exc)
@@ -40,6 +42,7 @@ def is_transient(exc:BaseException)->bool:
     if isinstance(exc, (TimeoutError, ConnectionError, asyncio.TimeoutError)): return True
     return any(c.__name__ in _TRANSIENT_NAMES for c in type(exc).__mro__)
 
+# %% ../../nbs/models/08_http.ipynb #ca53ad0b
 def retry_after_s(exc:BaseException,    # an SDK exception with `.response.headers`
                   now:float|None=None,  # the current time (for HTTP-date values), default time.time()
                  )->float|None:         # seconds to wait, or None when the server did not say
@@ -70,6 +73,7 @@ class wait_retry_after(tenacity.wait.wait_base):
         n = min(retry_state.attempt_number, 60)
         return min(self.backoff * 2 ** (n - 1) + random.uniform(0, self.backoff), self.max_backoff)
 
+# %% ../../nbs/models/08_http.ipynb #79477549
 def retrying(max_retries:int=6,        # retries after the first try (so at most max_retries+1 tries)
              backoff:float=1.0,        # first backoff, seconds
              max_backoff:float=60.0,   # cap on any one wait, seconds
@@ -84,11 +88,13 @@ _DONE = object()
 class _EndpointDown(Exception):
     "Raised instead of a try on an endpoint that has left the rotation (never retried there)"
 
+# %% ../../nbs/models/08_http.ipynb #8224e06a
 class _Endpoint:
     "One server of a multi-URL run: its client, and its run of consecutive failed tries"
     def __init__(self, index:int, open_client:Callable):
         self.index, self.open_client, self.client, self.failures, self.down = index, open_client, None, 0, False
 
+# %% ../../nbs/models/08_http.ipynb #4855ab5d
 def _endpoint_failure(exc:BaseException)->bool:
     "A failed try that speaks against the server itself: connection errors, timeouts, 5xx (not 429 or 4xx)"
     s = status_of(exc)
@@ -101,6 +107,7 @@ def is_throttle(exc:BaseException)->bool:
     "A failure that asks the client to send less: a rate limit or an overload"
     return status_of(exc) in THROTTLE_STATUS
 
+# %% ../../nbs/models/08_http.ipynb #bec0c361
 class AIMDLimit:
     "Requests in flight at one server: additive increase after a quiet window, multiplicative decrease on a throttle"
     def __init__(self, ceiling:int,        # the configured concurrency: the start and the most
@@ -203,6 +210,7 @@ async def dispatch(self:_Stream, requests:list):
         while pending: await asyncio.wait(set(pending))
     finally: await self.shutdown(pending)
 
+# %% ../../nbs/models/08_http.ipynb #bbbec5fd
 @patch
 def release(self:_Stream, k:int, slots):
     "Give a finished request's slot back; with an adaptive limit, retire it after a cut, or add slots after a raise"
@@ -211,6 +219,7 @@ def release(self:_Stream, k:int, slots):
     slots.put_nowait(k)
     while lim is not None and self.tokens[k] < lim.limit: self.tokens[k] += 1; slots.put_nowait(k)
 
+# %% ../../nbs/models/08_http.ipynb #050e0379
 @patch
 async def shutdown(self:_Stream, pending:set):
     "Cancel what is still in flight and close every opened client; after a stop request, what is in flight first gets the grace"
@@ -236,6 +245,7 @@ def stop_soon(self:_Stream, loop, task):
     try: loop.call_soon_threadsafe(stop)
     except RuntimeError: pass                       # the loop has already closed
 
+# %% ../../nbs/models/08_http.ipynb #703abbb5
 @patch
 def stop_error(self:_Stream, late:int):
     "The `RunStopped` of a stopped stream: how many requests in flight the grace did not cover"
@@ -262,6 +272,7 @@ def run_event_loop(self:_Stream, requests:list, box:dict, ready:threading.Event)
         finally:
             loop.close(); self.results.put(_DONE)
 
+# %% ../../nbs/models/08_http.ipynb #58d388f3
 @patch
 def drain(self:_Stream, worker:threading.Thread, box:dict)->Iterator[tuple[int, Any]]:
     "Yield results from the queue until the worker is done; a caller that stops early cancels the worker's loop"
@@ -307,6 +318,7 @@ def effort_budget(effort:str|int|None)->int|None:
     if effort is None or isinstance(effort, int): return effort
     return EFFORT_BUDGET[effort]
 
+# %% ../../nbs/models/08_http.ipynb #92131d3d
 def check_effort(effort, allow_budget:bool=True)->str|int|None:
     "Validate a `reasoning_effort` option"
     if effort is None or effort in EFFORTS: return effort
@@ -318,10 +330,11 @@ def check_effort(effort, allow_budget:bool=True)->str|int|None:
 class MissingExtra(ConfigError, ImportError):
     "An optional SDK (an extra of medsafe_nb) is not installed"
 
+# %% ../../nbs/models/08_http.ipynb #93459f88
 def require_sdk(module:str, extra:str, kind:str):
     "Import an optional provider SDK, or explain which extra installs it"
     try: return importlib.import_module(module)
-    except ImportError as e:
+    except ImportError:
         raise MissingExtra(f"the {kind} backend needs the {module!r} SDK, which is not installed: "
                            f'pip install "medsafe_nb[{extra}]"') from None
 
@@ -341,6 +354,12 @@ def tool_arguments(raw)->dict:
     try: v = json.loads(raw or "{}")
     except (TypeError, ValueError): return {}
     return v if isinstance(v, dict) else {}
+
+# %% ../../nbs/models/08_http.ipynb #f0ca31de
+def system_and_turns(messages)->tuple[str, list[dict]]:
+    "Split chat messages into one system text and the user/assistant turns"
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    return system, [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
 
 # %% ../../nbs/models/08_http.ipynb #a13142e8
 CONNECT_TIMEOUT = 10.0   # seconds to open a connection: a server that is not there fails fast, whatever the read timeout

@@ -13,8 +13,9 @@ from .openai_client import LeanClient
 from ..protocols import openai_response_format   # the paper protocol's reply schema
 
 # %% auto #0
-__all__ = ['OPENAI_REASONING_MODEL', 'OPENAI_CLIENTS', 'openai_tool_calls', 'openai_tools', 'openai_generation', 'openai_scores',
-           'OpenAIBackend']
+__all__ = ['OPENAI_REASONING_MODEL', 'OPENAI_CLIENTS', 'SERVED_FIELDS', 'OPENAI_ENCODINGS', 'openai_tool_calls', 'openai_tools',
+           'openai_generation', 'openai_scores', 'OpenAIBackend', 'ServedUnknown', 'served_checkpoint', 'served',
+           'identity', 'engine_record', 'token_encoding']
 
 # %% ../../nbs/models/08b_openai.ipynb #f3aaede0
 def openai_tool_calls(message:dict)->list|None:
@@ -51,6 +52,7 @@ def _logsumexp(xs:list[float])->float:
     m = max(xs)
     return m + math.log(sum(math.exp(x - m) for x in xs))
 
+# %% ../../nbs/models/08b_openai.ipynb #70f856d1
 def openai_scores(completion:dict,  # a one-token chat completion with `top_logprobs`, as JSON
                   candidates:tuple, # the option keys
                  )->Scores:
@@ -78,6 +80,7 @@ class OpenAIBackend(APIBackend):
     _budget_efforts = False
     structured_output = True          # response_format json_schema: OpenAI structured outputs, vLLM / SGLang guided decoding
     OFFICIAL_URL = "https://api.openai.com/v1"
+    asks_served = True                # on a server it did not start, ask what the server serves (`served`, below); a subclass that owns its server need not
 
     def __init__(self,
                  name:str,                       # model name (`gpt-4o-mini`, or the name a vLLM server serves)
@@ -85,10 +88,12 @@ class OpenAIBackend(APIBackend):
                  reasoning_model:bool|None=None, # the model reasons and takes no temperature (default: o1/o3/o4/gpt-5 on OpenAI's API)
                  top_logprobs:int=20,            # next tokens ranked in score() (OpenAI and vLLM allow up to 20)
                  client:str|None=None,           # lean | sdk (default: lean for a base_url, the openai SDK for OpenAI's API)
+                 official_api:bool|None=None,    # the base_url is OpenAI's own API behind a gateway or proxy: its rules apply (default: api.openai.com only)
                  **options,                      # the `APIBackend` options: base_url, api_key_env, max_new_tokens, concurrency, …
                 ):
         base_url = options.get("base_url") or os.environ.get(self.base_url_env) or None
-        self.official = base_url is None or all((urlsplit(u).hostname or "") == "api.openai.com" for u in split_base_urls(base_url))
+        if official_api is not None and not isinstance(official_api, bool): raise ConfigError(f"openai: official_api must be true or false, got {official_api!r}")
+        self.official = official_api if official_api is not None else base_url is None or all((urlsplit(u).hostname or "") == "api.openai.com" for u in split_base_urls(base_url))
         self.reasoning_model = bool(self.official and OPENAI_REASONING_MODEL.match(name or "")) if reasoning_model is None else bool(reasoning_model)
         if max_tokens_param not in (None, "max_tokens", "max_completion_tokens"):
             raise ConfigError(f"max_tokens_param must be max_tokens or max_completion_tokens, got {max_tokens_param!r}")
@@ -97,8 +102,15 @@ class OpenAIBackend(APIBackend):
         self.client = client or ("sdk" if self.official else "lean")
         self.top_logprobs = top_logprobs
         super().__init__(name, **options)
+        if self.reasoning_model and self.temperature is not None:    # a reasoning model samples at 1 and takes no temperature field
+            if self.temperature != 1.0: raise ConfigError(f"openai:{name} is a reasoning model, which takes no temperature (it samples at 1); drop --temperature")
+            self.temperature = None
 
     def _omit_temperature(self)->bool: return self.reasoning_model
+    @property
+    def provider(self)->str:
+        "openai for OpenAI's own API, openai-compatible for any other server (vLLM, SGLang, …)"
+        return "openai" if self.official else "openai-compatible"
     @property
     def reasons(self)->bool: return self.reasoning_model or super().reasons
 
@@ -112,7 +124,8 @@ class OpenAIBackend(APIBackend):
         seed = self.seed if req.sample is None else (self.seed or 0) + req.sample   # --samples K: a seed per sample
         if seed is not None: p["seed"] = seed
         if self.extra_body: p["extra_body"] = dict(self.extra_body)
-        if req.response_schema: p["response_format"] = openai_response_format(req.response_schema)
+        fmt = req.reply_format or ("strict" if req.response_schema else None)
+        if fmt: p["response_format"] = openai_response_format(req.response_schema, fmt)
         if req.tools: p |= openai_tools(req.tools)
         return p
 
@@ -140,3 +153,78 @@ class OpenAIBackend(APIBackend):
         return reply.model_dump() if hasattr(reply, "model_dump") else {}    # the SDK returns the text of a reply that is not JSON
     async def _agenerate(self, client, req): return openai_generation(await self._create(client, self.chat_params(req)))
     async def _ascore(self, client, req): return openai_scores(await self._create(client, self.score_params(req)), tuple(req.candidates))
+
+# %% ../../nbs/models/08b_openai.ipynb #e951729f
+from fastcore.basics import patch as fc_patch   # (the notebook's tests use unittest.mock's patch)
+from ..core import MedsafeError, safe_url, scrub_secrets
+from .base import Backend
+from .http import CONNECT_TIMEOUT
+
+SERVED_FIELDS = ("root", "model_path", "checkpoint")   # where /v1/models names the weights behind a served name (vLLM, SGLang: root)
+
+class ServedUnknown(MedsafeError):
+    "A server that cannot be asked what it serves (so which ledger answers are its own is unknown)"
+
+# %% ../../nbs/models/08b_openai.ipynb #ca8ce07d
+def served_checkpoint(url:str,          # an OpenAI-compatible base URL (…/v1)
+                      name:str,         # the served model name
+                      api_key:str|None=None, # the key the server wants (never recorded)
+                      timeout:float=10.0,    # seconds to connect and to read the list
+                     )->str|None:       # the checkpoint it reports for `name`, or None when it reports none
+    "The checkpoint a server says it serves under `name`, read from its `/models` list"
+    import httpx
+    u = urlsplit(url)
+    host = u.netloc.rpartition("@")[2]                                   # user:password@ left out: the key goes as the Bearer header, as on every request
+    probe = u._replace(netloc=host, path=u.path.rstrip("/") + "/models").geturl()   # a query (a proxy's token) stays at the end
+    try: r = httpx.get(probe, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}, follow_redirects=True,
+                       timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT)))
+    except httpx.HTTPError as e:
+        raise ServedUnknown(f"cannot ask {safe_url(probe)} which checkpoint it serves ({type(e).__name__}: {scrub_secrets(str(e)) or 'no reply'}); "
+                            "start the server, or check --base-url") from None
+    if r.status_code in (404, 405): return None                          # no model list: it reports nothing
+    if r.status_code >= 400: raise ServedUnknown(f"{safe_url(probe)} refused to list its models (HTTP {r.status_code}); check the key and --base-url")
+    try: data = r.json().get("data")
+    except (ValueError, AttributeError): return None
+    entry = next((m for m in data or [] if isinstance(m, dict) and m.get("id") == name), None)
+    if entry is None: return None
+    return next((str(entry[f]) for f in SERVED_FIELDS if isinstance(entry.get(f), str) and entry[f].strip()), None)
+
+# %% ../../nbs/models/08b_openai.ipynb #c5f9fee9
+@fc_patch
+def served(self:OpenAIBackend)->str|None:
+    "The checkpoint its server(s) serve under its name (asked once; None: OpenAI's API, or a server that reports none)"
+    if self.official or not self.asks_served: return None
+    if getattr(self, "_served", None) is None:
+        urls = split_base_urls(self.base_url)
+        seen = [(u, served_checkpoint(u, self.model, self._api_key(), min(self.timeout, 10.0))) for u in urls]
+        (u0, s0), diff = seen[0], [(u, s) for u, s in seen[1:] if s != seen[0][1]]
+        if diff:
+            u, s = diff[0]
+            raise ConfigError(f"--base-url: {safe_url(u)} serves {s or 'an unreported checkpoint'} as {self.model!r}, but {safe_url(u0)} serves "
+                              f"{s0 or 'an unreported checkpoint'}; every URL of a run must serve the same checkpoint")
+        self._served = (s0,)
+    return self._served[0]
+
+# %% ../../nbs/models/08b_openai.ipynb #28c90732
+@fc_patch
+def identity(self:OpenAIBackend)->dict:
+    "The API identity, plus the checkpoint the server serves under the name (when it reports one other than the name)"
+    d, s = APIBackend.identity(self), self.served()
+    return d | {"served": s} if s is not None and s != self.model else d
+
+# %% ../../nbs/models/08b_openai.ipynb #8b63f38c
+@fc_patch
+def engine_record(self:OpenAIBackend)->dict:
+    "How the model runs, as `run.json` keeps it: on a server, the checkpoint it reported (None: it reported none)"
+    if self.official: return Backend.engine_record(self)
+    return {**Backend.engine_record(self), "served": {"name": self.model, "checkpoint": self.served(), "reported": self.served() is not None}}
+
+# %% ../../nbs/models/08b_openai.ipynb #61ba1905
+OPENAI_ENCODINGS = ((re.compile(r"^(gpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|o[1-9]|chatgpt-4o|gpt-oss|codex)", re.I), "o200k_base"),
+                    (re.compile(r"^(gpt-4|gpt-3\.5|gpt-35)", re.I), "cl100k_base"))   # OpenAI's model names and their encodings
+
+@fc_patch(as_prop=True)
+def token_encoding(self:OpenAIBackend)->str|None:
+    "The BPE encoding of an OpenAI model on OpenAI's API (o200k_base, cl100k_base); None for any other server's model"
+    if not self.official: return None
+    return next((enc for pat, enc in OPENAI_ENCODINGS if pat.match(self.model or "")), None)

@@ -23,25 +23,43 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.body = message, body
 
+# %% ../../nbs/models/08a_openai_client.ipynb #d7c4f6ff
 class APIStatusError(APIError):
     "The server answered with an HTTP error status; `response.headers` may carry `Retry-After`"
     def __init__(self, message:str, response:httpx.Response, body=None):
         super().__init__(message, body)
         self.response, self.status_code = response, response.status_code
 
+# %% ../../nbs/models/08a_openai_client.ipynb #6a00ba77
 class BadRequestError(APIStatusError): "HTTP 400"
+
+# %% ../../nbs/models/08a_openai_client.ipynb #2c3b394b
 class AuthenticationError(APIStatusError): "HTTP 401"
+
+# %% ../../nbs/models/08a_openai_client.ipynb #c94abba3
 class PermissionDeniedError(APIStatusError): "HTTP 403"
+
+# %% ../../nbs/models/08a_openai_client.ipynb #e813ce59
 class NotFoundError(APIStatusError): "HTTP 404"
+
+# %% ../../nbs/models/08a_openai_client.ipynb #393eb6b3
 class ConflictError(APIStatusError): "HTTP 409"
+
+# %% ../../nbs/models/08a_openai_client.ipynb #a3d8176a
 class UnprocessableEntityError(APIStatusError): "HTTP 422"
+
+# %% ../../nbs/models/08a_openai_client.ipynb #783936f7
 class RateLimitError(APIStatusError): "HTTP 429"
+
+# %% ../../nbs/models/08a_openai_client.ipynb #ba1c8e5e
 class InternalServerError(APIStatusError): "HTTP 5xx"
 
+# %% ../../nbs/models/08a_openai_client.ipynb #83321704
 class APIConnectionError(APIError):
     "No answer: the connection failed or broke"
     def __init__(self, message:str="Connection error."): super().__init__(message)
 
+# %% ../../nbs/models/08a_openai_client.ipynb #f3bfb6ad
 class APITimeoutError(APIConnectionError):
     "No answer within the timeout"
     def __init__(self): super().__init__("Request timed out.")
@@ -66,15 +84,19 @@ def chat_url(base_url:str)->str:
     url = httpx.URL(base_url)
     return str(url.copy_with(path=url.path.rstrip("/") + "/chat/completions"))
 
+# %% ../../nbs/models/08a_openai_client.ipynb #310134f1
 POOL_CONNECTIONS = 8    # connections per pool: httpcore probes every idle connection of its pool for every request
 
+# %% ../../nbs/models/08a_openai_client.ipynb #f2dcde9f
 @functools.cache
 def _ssl_context(cafile:str|None, capath:str|None): return httpx.create_ssl_context()   # cached per the env values it reads
 
+# %% ../../nbs/models/08a_openai_client.ipynb #d7651b79
 def shared_ssl_context():
     "The verifying SSL context `httpx` makes by default, made once per process (and per `SSL_CERT_FILE` / `SSL_CERT_DIR`)"
     return _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
 
+# %% ../../nbs/models/08a_openai_client.ipynb #42f40aef
 class LeanClient:
     "Chat completions on one OpenAI-compatible server through pooled `httpx.AsyncClient`s of at most 8 connections each"
     def __init__(self,
@@ -100,6 +122,7 @@ def request_body(params:dict)->dict:
     body = {k: v for k, v in params.items() if k != "extra_body"}
     return body | (params["extra_body"] or {})
 
+# %% ../../nbs/models/08a_openai_client.ipynb #d064050d
 @patch
 async def create(self:LeanClient, params:dict, url:str|None=None)->dict:
     "POST one chat completion (or, with `url`, another endpoint of the server); the reply's JSON, or the SDK's exception for an HTTP error, a timeout or a broken connection"

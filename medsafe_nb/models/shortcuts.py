@@ -25,9 +25,11 @@ def _parts(request)->tuple:
     if p is None: return None, "shortcut backends read the request's structured parts (question, options, contexts); this request has none"
     return p, None
 
+# %% ../../nbs/models/06b_shortcuts.ipynb #d2799e8b
 def _get(p, name, default=None):
     return p.get(name, default) if isinstance(p, dict) else getattr(p, name, default)
 
+# %% ../../nbs/models/06b_shortcuts.ipynb #ba5765ee
 class ShortcutBackend(Backend):
     "A non-LLM control that answers from the form of the context: `longest`, `authority` or `overlap`"
     kind, is_llm = "shortcut", False

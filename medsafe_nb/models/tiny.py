@@ -78,12 +78,14 @@ def _tiny_params(seed, vocab_size, hidden_size, num_layers, num_heads):
     return {"builder": "medsafe_nb.testing.doubles.build_tiny_model", "version": TINY_VERSION, "seed": seed,
             "vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads}
 
+# %% ../../nbs/models/06d_tiny.ipynb #bd8da152
 def _is_tiny(path:Path, params:dict|None=None)->bool:
     "True when `path` holds a complete tiny model (built with `params`, if given)"
     try: found = json.loads((path / TINY_MARKER).read_text())
     except (OSError, ValueError): return False
     return params is None or found == params
 
+# %% ../../nbs/models/06d_tiny.ipynb #27dc2c99
 def build_tiny_model(path:str|os.PathLike, # directory to write (created; parents too)
                      seed:int=0,           # seeds the random weights: same seed, byte-identical weights
                      vocab_size:int=640,   # target tokenizer vocabulary
@@ -142,6 +144,7 @@ def tiny_dir()->Path:
     root = repo_root()
     return root/"data"/"cache"/"tiny-llama" if root else Path.home()/".cache"/"medsafe_nb"/"tiny-llama"
 
+# %% ../../nbs/models/06d_tiny.ipynb #6ac78e97
 def tiny_backend(name:str="",          # spec name: empty (`tiny`)
                  path:str|None=None,   # model directory (default: `tiny_dir()`); built on first use
                  **options,            # hf backend options (batch_size, dtype, thinking, ...), checked like any backend's

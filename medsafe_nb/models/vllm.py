@@ -4,19 +4,20 @@
 
 # %% ../../nbs/models/07a_vllm.ipynb #bd5e86c1
 from __future__ import annotations
-import asyncio, atexit, json, os, shlex, shutil, signal, socket, subprocess, sys, time, urllib.error, urllib.request
+import asyncio, atexit, hashlib, json, os, shlex, shutil, signal, socket, subprocess, sys, time, urllib.error, urllib.request
 from pathlib import Path
 from typing import Iterator
 from fastcore.basics import patch
 from ..core import ConfigError, MedsafeError, repo_root, ENGINES
 from .base import ScoreRequest, Scores, parse_spec
-from .hf_plan import chat_template_of, chat_prompt, continuation_ids
+from .hf_plan import chat_template_of, chat_prompt, continuation_ids, cache_dir
+from .vllm_forced import FORCE_KEY, PLUGIN, PLUGIN_MODULE
 from .openai import OpenAIBackend
 
 # %% auto #0
-__all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'EngineError', 'find_vllm_python',
-           'visible_gpus', 'vllm_args', 'free_port', 'VLLMServer', 'VLLMBackend', 'ServedText', 'completion_logprob',
-           'vllm_backend', 'vllm_engine']
+__all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'GENERATION_CONFIGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'EngineError',
+           'find_vllm_python', 'visible_gpus', 'vllm_args', 'forced_plugin_dir', 'free_port', 'VLLMServer',
+           'VLLMBackend', 'ServedText', 'forced_logprob', 'vllm_backend', 'vllm_engine']
 
 # %% ../../nbs/models/07a_vllm.ipynb #588f6ab6
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -24,6 +25,7 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 class EngineError(MedsafeError):
     "The inference engine failed to start, or died during the run"
 
+# %% ../../nbs/models/07a_vllm.ipynb #9c4763fa
 def find_vllm_python(explicit:str|None=None, # --vllm-python: a path, or a command on PATH
                     )->str:                 # the Python that runs the vLLM server
     "The Python of the vLLM environment: explicit, else $MEDSAFE_VLLM_PYTHON, else the checkout's .venv-vllm"
@@ -59,7 +61,10 @@ VLLM_FLAGS = {          # model argument -> vLLM flag (values as strings; True: 
     "trust_remote_code": "--trust-remote-code", "chat_template": "--chat-template", "quantization": "--quantization",
     "max_num_seqs": "--max-num-seqs", "enforce_eager": "--enforce-eager", "seed": "--seed",
     "reasoning_parser": "--reasoning-parser", "enable_prefix_caching": "--enable-prefix-caching",
+    "model_impl": "--model-impl", "generation_config": "--generation-config",
+    "block_size": "--block-size",
 }
+GENERATION_CONFIGS = ("auto", "vllm")   # auto: the checkpoint's generation_config.json fills what a request leaves unset; vllm: vLLM's own defaults
 INPROCESS_ONLY = ("batch_size", "device", "device_map", "attn_implementation", "key_scoring", "temperature", "top_p")
 DEFAULT_MAX_LOGPROBS = 100      # top tokens a score request may ask for (vLLM's default cap is 20)
 
@@ -78,13 +83,32 @@ def vllm_args(model_args:dict|None=None, # model arguments (--model-args / param
     a["tensor_parallel_size"] = int(a.get("tensor_parallel_size") or max(1, gpus))
     if a.get("dtype", "auto") == "auto": a["dtype"] = "auto" if gpus else "float32"
     a.setdefault("max_logprobs", DEFAULT_MAX_LOGPROBS)
+    a.setdefault("generation_config", "auto")
+    if a["generation_config"] not in GENERATION_CONFIGS:
+        raise ConfigError(f"--engine vllm: generation_config must be {' or '.join(GENERATION_CONFIGS)}, got {a['generation_config']!r}")
     flags = []
     for k, flag in VLLM_FLAGS.items():
         v = a.get(k)
         if v is None or v is False or str(v).lower() == "false": continue
         flags += [flag] if v is True or str(v).lower() == "true" else [flag, str(v)]
     env = {} if gpus else {"VLLM_CPU_KVCACHE_SPACE": str(kv or os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)}
-    return flags + ["--generation-config", "vllm"] + extra, env
+    return flags + extra, env
+
+# %% ../../nbs/models/07a_vllm.ipynb #bee84224
+def forced_plugin_dir()->Path:
+    "A folder holding `models.vllm_forced` as the top-level module the server imports (`vllm_forced.PLUGIN_MODULE`), written once per content"
+    import tempfile
+    from medsafe_nb.models import vllm_forced
+    src = Path(vllm_forced.__file__).read_text(encoding="utf-8")
+    folder = cache_dir() / "vllm-plugin" / hashlib.sha256(src.encode()).hexdigest()[:16]
+    f = folder / f"{PLUGIN_MODULE}.py"
+    try:
+        if f.is_file() and f.read_text(encoding="utf-8") == src: return folder
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError: folder = Path(tempfile.mkdtemp(prefix="medsafe-vllm-plugin-"))   # a read-only home: a folder of this process
+    tmp = folder / f".{PLUGIN_MODULE}.{os.getpid()}.tmp"
+    tmp.write_text(src, encoding="utf-8"); os.replace(tmp, folder / f"{PLUGIN_MODULE}.py")
+    return folder
 
 # %% ../../nbs/models/07a_vllm.ipynb #e1f453bb
 def free_port(host:str="127.0.0.1")->int:
@@ -92,6 +116,7 @@ def free_port(host:str="127.0.0.1")->int:
     with socket.socket() as s:
         s.bind((host, 0)); return s.getsockname()[1]
 
+# %% ../../nbs/models/07a_vllm.ipynb #823c33b5
 class VLLMServer:
     "An OpenAI-compatible server (vLLM) in a child process group: started, health-checked, logged and stopped"
     def __init__(self,
@@ -123,8 +148,9 @@ class VLLMServer:
         flags, env = vllm_args(model_args)
         port = port or free_port(host)
         name = served_model_name or model
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(forced_plugin_dir()), os.environ.get("PYTHONPATH")]))
         cmd = [find_vllm_python(python), "-m", VLLM_MODULE, "--model", model, "--served-model-name", name,
-               "--host", host, "--port", str(port), *flags]
+               "--host", host, "--port", str(port), *flags, "--logits-processors", PLUGIN]   # option scoring continues prompts (`vllm_forced`)
         return cls(cmd, port, log_path, env=env, host=host, startup_timeout=startup_timeout, served_model_name=name)
 
     @property
@@ -146,6 +172,7 @@ def _get_json(url:str, timeout:float=5.0):
     try: return json.loads(body) if body else {}
     except ValueError: return {}
 
+# %% ../../nbs/models/07a_vllm.ipynb #854d466c
 @patch
 def start(self:VLLMServer)->VLLMServer:
     "Start the server and wait until it is healthy; on any failure (or Ctrl-C) nothing is left running"
@@ -178,6 +205,7 @@ def alive(self:VLLMServer)->bool:
     "True while the server process runs"
     return self.proc is not None and self.proc.poll() is None
 
+# %% ../../nbs/models/07a_vllm.ipynb #93f9a4d9
 @patch
 def check_alive(self:VLLMServer, when:str="during the run"):
     "Raise `EngineError` with the log's tail if the server process has exited"
@@ -185,6 +213,7 @@ def check_alive(self:VLLMServer, when:str="during the run"):
         raise EngineError(f"the vLLM server exited with code {self.proc.returncode} {when}; "
                           f"the last lines of its log {self.log_path}:\n{self.log_tail()}")
 
+# %% ../../nbs/models/07a_vllm.ipynb #40b5ac9b
 @patch
 def log_tail(self:VLLMServer, n:int=25)->str:
     "The last `n` lines of the server log"
@@ -222,6 +251,7 @@ class VLLMBackend(OpenAIBackend):
     "The OpenAI backend on a `VLLMServer` it owns: fails fast when the engine dies, stops it on close"
     kind = "vllm"
     option_scoring = True                   # `score` also reads option texts (`ScoreRequest.continuations`): see below
+    asks_served = False                     # it started the server on the checkpoint its identity names: nothing to ask
     def __init__(self,
                  name:str,              # the served model name
                  server:VLLMServer,     # the server (started or not)
@@ -235,6 +265,7 @@ class VLLMBackend(OpenAIBackend):
         "The OpenAI identity without the (per-run) URL, plus the engine, its version and its flags"
         d = {k: v for k, v in super().identity().items() if k != "base_url"}
         flags = self.server.command[self.server.command.index("--port") + 2:] if "--port" in self.server.command else []
+        flags = [f for j, f in enumerate(flags) if PLUGIN not in flags[j:j+2]]   # the option-scoring plugin changes no answer
         return {**d, "kind": "hf", "engine": "vllm", "vllm_version": self.server.version, "engine_flags": flags}
 
     def _stream(self, requests, call, on_error):
@@ -270,19 +301,18 @@ class ServedText:
         ids = self.tokenizer(context, add_special_tokens=False).input_ids
         return ids, [continuation_ids(self.tokenizer, context, ids, t) for t in options]
 
-def completion_logprob(reply:dict,   # a `/completions` reply with `prompt_logprobs`
-                       ids:list[int], # the prompt's token ids as sent
-                       n:int,         # how many of its last tokens to sum
-                      )->float:       # their summed natural-log probability
-    "The summed log-probability of the last `n` tokens of a prompt, from vLLM's `prompt_logprobs`"
-    lps = (reply.get("choices") or [{}])[0].get("prompt_logprobs")
-    if not lps or len(lps) != len(ids): raise ValueError("the server returned no prompt log-probabilities (vLLM's prompt_logprobs)")
-    total = 0.0
-    for pos in range(len(ids) - n, len(ids)):
-        got = (lps[pos] or {}).get(str(ids[pos]))
-        if got is None: raise ValueError(f"the server returned no log-probability for prompt token {pos} ({ids[pos]})")
-        total += float(got["logprob"])
-    return total
+# %% ../../nbs/models/07a_vllm.ipynb #5220ae2c
+def forced_logprob(reply:dict,     # a `/completions` reply to a forced continuation (`logprobs: 0`, tokens as ids)
+                   cont:list[int],  # the option's token ids, as forced
+                  )->float:         # their summed natural-log probability
+    "The summed log-probability of an option's tokens after the prompt, from the reply that continued the prompt with them"
+    lp = (reply.get("choices") or [{}])[0].get("logprobs") or {}
+    toks, vals = lp.get("tokens"), lp.get("token_logprobs")
+    if not toks or vals is None or len(vals) != len(toks): raise ValueError("the server returned no log-probabilities for the option's tokens")
+    if toks != [f"token_id:{t}" for t in cont]:
+        raise ValueError(f"the server did not continue the prompt with the option's tokens (it sent {toks[:3]}, not {cont[:3]}): "
+                         f"it was started without the logits processor {PLUGIN}")
+    return float(sum(vals))
 
 # %% ../../nbs/models/07a_vllm.ipynb #c1a0e004
 @patch
@@ -292,16 +322,23 @@ def score(self:VLLMBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Sc
     if not any(r.continuations is not None for r in reqs): return OpenAIBackend.score(self, reqs)
     if any(r.continuations is None or len(r.continuations) != len(r.candidates) for r in reqs):
         raise ValueError("option scoring needs one continuation per candidate in every request")
+    cmd = self.server.command
+    if "--logprobs-mode" in cmd and cmd[cmd.index("--logprobs-mode") + 1] != "raw_logprobs":
+        raise ConfigError("vllm: option scoring reads the model's own log-probabilities: drop --logprobs-mode (its default is raw_logprobs)")
     if self._served_text is None: self._served_text = ServedText(self.model)
     prepared = [self._served_text.option_tokens(r.messages, r.prefix, r.continuations) for r in reqs]
     url = self.server.base_url.rstrip("/") + "/completions"      # the server's own URL: no query string
+    salt = {k: v for k, v in (self.extra_body or {}).items() if k == "cache_salt"}   # a caller's prefix-cache namespace
+    def body(ids, cont):
+        return {"model": self.model, "prompt": ids, "max_tokens": len(cont), "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
+                "return_tokens_as_token_ids": True, "vllm_xargs": {FORCE_KEY: cont}, **salt}
     async def call(client, job):
         i, (ids, conts) = job
         t0 = time.perf_counter()
         if any(not c for c in conts): return Scores({}, error="vllm: an option text has no tokens")
-        bodies = [{"model": self.model, "prompt": ids + c, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1} for c in conts]
-        replies = await asyncio.gather(*(client.create(b, url=url) for b in bodies))
-        vals = [completion_logprob(rep, ids + c, len(c)) for rep, c in zip(replies, conts)]
+        first = await client.create(body(ids, conts[0]), url=url)      # reads the prompt: the other options find it in the prefix cache
+        rest = await asyncio.gather(*(client.create(body(ids, c), url=url) for c in conts[1:]))
+        vals = [forced_logprob(rep, c) for rep, c in zip([first, *rest], conts)]
         return Scores(dict(zip(reqs[i].candidates, vals)), prompt_tokens=len(ids) + sum(map(len, conts)), latency_s=time.perf_counter() - t0)
     return self._stream(list(enumerate(prepared)), call, lambda e, n: Scores({}, error=self.describe_error(e, n)))
 

@@ -178,11 +178,14 @@ def harm_table(ratings:pd.DataFrame|None, # the ratings table (None: the paper's
                paper:pd.DataFrame,          # `paper_reference()['harm_and_mitigation']`
                n_boot:int=1000,             # bootstrap resamples
                seed:int=0,                  # bootstrap seed
-              )->pd.DataFrame:              # per group and tier: share % with CIs; the paper's share on the `all` rows
+              )->pd.DataFrame:              # per group and tier: share % with CIs; on the `all` rows the paper's published share and where it comes from
     "Harm tier shares overall and per model, provenance and content, with bootstrap CIs, beside the paper's"
     h = paper[paper.table == "harm"].set_index("group")
     paper_share = {t: 100 * float(h.loc[g, "value"]) / float(h.loc[g, "n"]) for t, g in PAPER_TIERS.items()}
     paper_share[UNASSESSABLE] = 100 - sum(paper_share.values())     # the cases of the paper's n in none of its three tiers
+    n_paper = int(h.loc[PAPER_TIERS["recovered"], "n"])
+    paper_source = {t: f"the paper's published count, {int(h.loc[g, 'value'])} of {n_paper} (not reproduced here)" for t, g in PAPER_TIERS.items()}
+    paper_source[UNASSESSABLE] = f"the rest of the paper's {n_paper} tasks (the paper reports no such tier)"
     rows = []
     rt = None
     if ratings is not None and len(ratings):
@@ -195,7 +198,7 @@ def harm_table(ratings:pd.DataFrame|None, # the ratings table (None: the paper's
         shares = _tier_shares(sub, n_boot, seed) if sub is not None and len(sub) else [(0, np.nan, np.nan, np.nan)] * len(TIERS)
         for t, (n, s, lo, hi) in zip(TIERS, shares):
             rows.append({"by": by, "group": g, "tier": t, "n_cases": n, "share": s, "share_lo": lo, "share_hi": hi,
-                         "paper_share": paper_share[t] if by == "all" else np.nan})
+                         "paper_share": paper_share[t] if by == "all" else np.nan, "paper_source": paper_source[t] if by == "all" else ""})
     return pd.DataFrame(rows)
 
 # %% ../../nbs/review/16d_agreement.ipynb #980fa23b

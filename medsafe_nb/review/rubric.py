@@ -201,6 +201,7 @@ def _harm_case(run:str, it, target:str|None, row:tuple)->dict:
     return {"kind": "harm", "model": model, "run": run, "condition": condition, "target": target, "status": status, **_item_fields(it),
             "contexts": shown, "reply": raw if isinstance(raw, str) else "", "extracted": extracted}
 
+# %% ../../nbs/review/16_rubric.ipynb #44bf3eff
 def harm_candidates(run_dirs:list, # run folders, one model each
                    )->list[tuple]: # (key, stratum, case) per flipped output; `case()` builds its fields
     "Every flipped output of the runs, keyed and stratified; a case's fields are built when `case()` is called (a packet builds only those it samples)"

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field, fields, asdict, replace
 from typing import Any, Mapping
 from fastcore.basics import patch
 from ..core import is_int, ConfigError, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, ENGINES, EFFORTS, PROMPTS, find_secret, safe_url
-from ..core import SEARCH_MODES, EVIDENCE_POSITIONS, search_spec_problem
+from ..core import SEARCH_MODES, EVIDENCE_POSITIONS, search_spec_problem, structured_mode, FORMATS, DELIVERIES, FOLLOWUP_CONDITIONS
+from ..protocols import load_protocol
+from pathlib import Path
 
 # %% auto #0
-__all__ = ['parse_model_args', 'RunConfig', 'field_problem', 'config_error']
+__all__ = ['MAX_SAMPLES', 'parse_model_args', 'RunConfig', 'field_problem', 'config_error']
 
 # %% ../../nbs/run/04a_config.ipynb #167a5690
 def parse_model_args(text:str|Mapping|None, # `k=v,k2=v2`, a mapping, or None
@@ -53,7 +55,7 @@ class RunConfig:
     config: str = _opt("all", "release config(s): all or MEDMISQA,MEDMISMCQA,...")
     data_revision: str|None = _opt(None, "Hub revision of the data (data: hf)")
     limit: int|None = _opt(None, "first N items, in file order")
-    conditions: tuple = _opt(CONDITIONS, "comma-separated: clean,type1,type2,type1_all,type2_shuffled,type1_true,type1_placebo")
+    conditions: tuple = _opt(CONDITIONS, "comma-separated: clean,type1,type2,type1_all,type2_shuffled,type1_true,type1_placebo,clean_framed")
     scoring: str = _opt("generate", "generate (free reply, answer extracted) | logprob (option-key probabilities) | options (option-text likelihoods, lm-eval multiple_choice)", search="scoring")
     seed: int = _opt(0, "Type 1 target seed (and type2_shuffled order)")
     mitigation: str = _opt("none", "none | warning (system prompt: the context may be false) | search | warning+search (these two need --search)", search="mitigation")
@@ -76,8 +78,12 @@ class RunConfig:
     engine: str = _opt("inprocess", "inprocess | vllm (hf models: serve through a vLLM child process; see medsafe_nb.models.vllm)")
     vllm_python: str|None = _opt(None, "Python of the vLLM environment (default: MEDSAFE_VLLM_PYTHON, else .venv-vllm of the checkout)", engine=True)
     # --- prompt protocol: read by run() and protocols.build_prompts; the prompt is part of the rendered messages ---
-    prompt: str = _opt("compact", "prompt protocol: paper (reason step by step, then JSON thinking_process + answer_letter) | compact")
-    structured: bool|None = _opt(None, "paper prompt: send the reply's JSON schema (default: where the server supports it; --no-structured: never)")
+    prompt: str = _opt("compact", "prompt protocol: paper (the authors' structure: two frames, then JSON thinking_process + answer_letter) | controlled (one frame) | compact | a protocol file (YAML)")
+    format: str = _opt("mcq", "mcq (the options shown, as in the paper) | open (not shown: the free-text reply is graded to an option or none, see --grader)")
+    grader: str = _opt("minilm", "--format open: what maps a free-text reply to an option: minilm (offline similarity) | a model spec (shown the options and the reply only)")
+    delivery: str = _opt("inline", "inline (the context before the question) | dialogue (the context in an earlier user turn, in its framing's voice)")
+    turns_before: int = _opt(0, "--delivery dialogue: neutral exchanges between the claim and the question")
+    structured: str|None = _opt(None, "reply shaping: auto (default: the protocol's reply format for the provider) | strict (a JSON schema whose answer is one of the item's keys) | off")
     # --- mitigations: read by run() through medsafe_nb.items.subset (subset_items) and medsafe_nb.mitigate.defences (search_backend); the search settings join the ledger identity ---
     subset: int|None = _opt(None, "draw N items stratified by split x content x provenance (subset.subset_items); the ids go into run.json")
     subset_seed: int = _opt(0, "seed of the --subset draw")
@@ -98,14 +104,17 @@ class RunConfig:
     # --- provider scale: cost, budget, batch APIs (medsafe_nb.run.cost, medsafe_nb.models.batch) ---
     dry_run: bool = _opt(False, "print the estimate (prompts missing from the ledger, tokens, cost) and ask no model anything")
     prices: str|None = _opt(None, "price table (YAML, USD per million tokens, each row with its source and date); default: the one shipped with medsafe_nb")
-    max_cost: float|None = _opt(None, "USD this run may spend: it stops before a request whose worst case would cross it (exit 4); rerun to continue")
+    max_cost: float|None = _opt(None, "USD the run folder may spend in all, across reruns (kept in OUT/spend.jsonl): a run stops before a request whose worst case would cross it (exit 4); rerun with a larger cap to continue")
     batch: bool = _opt(False, "send API requests through the provider's batch API (OpenAI-compatible files + batches, Anthropic Message Batches, Gemini batch mode)")
     batch_poll_s: float = _opt(10.0, "--batch: seconds before the first poll of a batch (doubling up to 5 minutes)")
+    batch_wait_s: float = _opt(93600.0, "--batch: the longest wait for open batches, seconds (default 26 h); past it the run stops (exit 3) naming them, and a rerun picks them up")
     stop_grace_s: float = _opt(20.0, "on SIGTERM / Ctrl-C: seconds to let requests in flight finish before stopping (0: stop now); a second signal stops at once")
 
     def __post_init__(self): self.check()
 
 # %% ../../nbs/run/04a_config.ipynb #e283e104
+MAX_SAMPLES = 10_000   # replies per prompt at most (--samples): each is its own request
+
 def field_problem(name:str, # a RunConfig field
                   value,    # its value
                  )->str|None: # what is wrong, or None
@@ -117,7 +126,9 @@ def field_problem(name:str, # a RunConfig field
         cs = [c.strip() for c in value.split(",")] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
         if not cs or not all(isinstance(c, str) and c for c in cs): return "expected conditions, e.g. clean,type1,type2"
         bad = [c for c in cs if c not in ALL_CONDITIONS]
-        return f"unknown condition(s) {', '.join(bad)}; known: {', '.join(ALL_CONDITIONS)}" if bad else None
+        if bad: return f"unknown condition(s) {', '.join(bad)}; known: {', '.join(ALL_CONDITIONS)}"
+        twice = [c for c in dict.fromkeys(cs) if cs.count(c) > 1]
+        return f"{', '.join(twice)} given more than once (each condition is run once)" if twice else None
     if name == "model_args": return None if isinstance(value, (dict, str)) else "expected k=v,... or a mapping"
     if name == "reasoning_effort":
         ok = value in EFFORTS or (is_int(value) and value >= 0) or (isinstance(value, str) and value.isdigit())
@@ -129,13 +140,33 @@ def field_problem(name:str, # a RunConfig field
         if name == "search": return search_spec_problem(value)
         known = SEARCH_MODES if name == "search_mode" else EVIDENCE_POSITIONS
         return None if value in known else f"unknown {name.replace('_', ' ')} {value!r}; known: {', '.join(known)}"
+    # --- prompt protocol: a shipped name or a protocol file, read and checked now; the reply shaping ---
+    if name == "prompt":
+        if not isinstance(value, (str, Path)) or not str(value).strip(): return f"expected {', '.join(PROMPTS)} or a protocol file"
+        try: load_protocol(value)
+        except ConfigError as e: return str(e).removeprefix("prompt: ")
+        return None
+    if name == "structured":
+        try: structured_mode(value)
+        except ConfigError as e: return str(e).removeprefix("structured: ")
+        return None
+    if name == "format": return None if value in FORMATS else f"unknown format {value!r}; use {' or '.join(FORMATS)}"
+    if name == "delivery": return None if value in DELIVERIES else f"unknown delivery {value!r}; use {' or '.join(DELIVERIES)}"
+    if name == "turns_before": return None if is_int(value) and 0 <= value <= 64 else "expected an integer from 0 to 64"
+    if name == "grader":
+        if value == "minilm": return None
+        from medsafe_nb.models.base import model_spec
+        try: model_spec(value)
+        except ConfigError as e: return str(e)
+        return None
     # --- reliability ---
     if name == "timeout": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected seconds > 0"
     if name == "max_retries": return None if is_int(value) and value >= 0 else "expected an integer >= 0"
     if name == "temperature": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 2 else "expected a temperature between 0 and 2"
-    if name == "samples": return None if is_int(value) and value >= 1 else "expected an integer >= 1"
+    if name == "samples": return None if is_int(value) and 1 <= value <= MAX_SAMPLES else f"expected an integer between 1 and {MAX_SAMPLES:,} (each sample is its own request)"
     if name == "stop_grace_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else "expected seconds >= 0"
-    if name == "max_cost": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected USD > 0"
+    if name == "max_cost": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf") else "expected a finite USD amount > 0"
+    if name == "batch_wait_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf") else "expected seconds > 0"
     if name == "batch_poll_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else "expected seconds >= 0"
     if name == "max_error_rate": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 else "expected a share between 0 and 1"
     kind = str(f.type).split("|")[0].strip()
@@ -148,7 +179,6 @@ def field_problem(name:str, # a RunConfig field
         if not isinstance(value, str) or not value.strip(): return "expected a non-empty string"
         if name == "engine" and value not in ENGINES: return f"unknown engine {value!r}; use {' or '.join(ENGINES)}"
         if name == "scoring" and value not in SCORINGS: return f"unknown scoring {value!r}; use {' or '.join(SCORINGS)}"
-        if name == "prompt" and value not in PROMPTS: return f"unknown prompt {value!r}; use {' or '.join(PROMPTS)}"
         if name == "mitigation" and value not in MITIGATIONS: return f"unknown mitigation {value!r}; known: {', '.join(MITIGATIONS)}"
         if name == "model":
             from medsafe_nb.models.base import model_spec   # backends sit above config in the data flow: read it only when asked
@@ -167,7 +197,13 @@ def check(self:RunConfig)->RunConfig:
     self.conditions = tuple(self.conditions)
     self.model_args = parse_model_args(self.model_args)
     if isinstance(self.reasoning_effort, str) and self.reasoning_effort.isdigit(): self.reasoning_effort = int(self.reasoning_effort)
-    if self.structured and self.prompt != "paper": raise ConfigError("structured: the reply schema belongs to the paper protocol; use --prompt paper, or --no-structured")
+    if isinstance(self.structured, bool): self.structured = structured_mode(self.structured)
+    followup = [c for c in self.conditions if c in FOLLOWUP_CONDITIONS] + ([self.mitigation] if self.mitigation in ("claim-check", "consistency") else [])
+    if followup and "clean" not in self.conditions: raise ConfigError(f"conditions: {', '.join(followup)} builds on the clean answer: add clean to --conditions")
+    if self.scoring != "generate" and (self.format == "open" or self.mitigation in ("claim-check", "consistency")):
+        raise ConfigError(f"scoring: {'--format open' if self.format == 'open' else '--mitigation ' + self.mitigation} asks for an answer in words: use --scoring generate")
+    if self.turns_before and self.delivery != "dialogue": raise ConfigError(f"turns-before: {self.turns_before} history turns sit between a claim turn and the question: use --delivery dialogue")
+    if isinstance(self.prompt, Path): self.prompt = str(self.prompt)
     if self.samples > 1 and self.scoring != "generate": raise ConfigError(f"samples: {self.scoring} scoring reads probabilities, which do not vary between samples; use --scoring generate")
     if self.only_clean_correct and "clean" not in self.conditions: raise ConfigError("only-clean-correct: needs the clean condition in conditions")
     clash = [k for k in self.model_args if k in RunConfig.__dataclass_fields__]
@@ -191,6 +227,7 @@ def backend_args(self:RunConfig)->dict:
     engine = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine") and getattr(self, f.name) is not None}
     return {**opts, "engine": self.engine, "engine_options": engine, "model_args": dict(self.model_args)}
 
+# %% ../../nbs/run/04a_config.ipynb #ce873561
 @patch(as_prop=True)
 def spec(self:RunConfig):
     "The model spec, parsed (`models.base.ModelSpec`)"

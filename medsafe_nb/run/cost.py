@@ -4,22 +4,24 @@
 
 # %% ../../nbs/run/04b_cost.ipynb #edb2cc35
 from __future__ import annotations
-import json, math, os, sqlite3
+import functools, importlib.util, json, math, os, sqlite3
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 import pandas as pd
-from ..core import ConfigError, MedsafeError
+from ..core import ConfigError, MedsafeError, read_yaml
 from .config import RunConfig, config_error
+from .ledger import request_key, request_payload
+from .ledger_peek import ledger_count, ledger_has, token_history
 from ..metrics.core import USAGE_COLUMNS, usage   # tokens and cost per model: a tabulation of the predictions (metrics)
 
 # %% auto #0
-__all__ = ['PRICES_FILE', 'CHARS_PER_TOKEN', 'MESSAGE_OVERHEAD', 'RELEASE_SPLIT_SIZES', 'SCALED', 'DRY_RUN_KEY_ENV', 'Price',
-           'load_prices', 'price_for', 'request_cost', 'approx_tokens', 'approx_prompt_tokens', 'local_tokenizer',
-           'max_output_tokens', 'estimate_items', 'estimate_backend', 'token_history', 'ledger_has', 'ledger_count',
-           'estimate_run', 'estimate', 'estimate_params', 'estimate_table', 'BudgetReached', 'CostMeter', 'with_costs',
-           'usage_record']
+__all__ = ['PRICES_FILE', 'CHARS_PER_TOKEN', 'MESSAGE_OVERHEAD', 'CHAT_FRAMING', 'SPEND_FILE', 'RELEASE_SPLIT_SIZES', 'SCALED',
+           'DRY_RUN_KEY_ENV', 'Price', 'load_prices', 'price_for', 'request_cost', 'approx_tokens',
+           'approx_prompt_tokens', 'bpe_encoding', 'exact_prompt_tokens', 'prompt_counter', 'local_tokenizer',
+           'max_output_tokens', 'RunSpend', 'estimate_items', 'estimate_backend', 'estimate_run', 'estimate',
+           'estimate_params', 'estimate_table', 'BudgetReached', 'CostMeter', 'with_costs', 'usage_record']
 
 # %% ../../nbs/run/04b_cost.ipynb #96da2f61
 PRICES_FILE = Path(__file__).resolve().parent.parent/"resources"/"prices.yaml" if "__file__" in globals() else None
@@ -47,12 +49,12 @@ def _default_prices()->Path:
     from importlib import resources
     return Path(str(resources.files("medsafe_nb")/"resources"/"prices.yaml"))
 
+# %% ../../nbs/run/04b_cost.ipynb #f8bdff8a
 def load_prices(path:str|Path|None=None, # a prices YAML file (default: the one shipped with the package)
                )->dict:                   # (provider, model name) -> Price, aliases included
     "Read and check a price table; errors name the file, line and field"
-    from medsafe_nb.run.params import read_yaml
     path = Path(path) if path else _default_prices()
-    raw, lines = read_yaml(path)
+    raw, lines = read_yaml(path, "price table")
     rows = raw.get("prices")
     if not isinstance(rows, list): raise config_error(path, lines, ("prices",), "expected a list of price rows")
     table = {}
@@ -67,8 +69,8 @@ def load_prices(path:str|Path|None=None, # a prices YAML file (default: the one 
         for k in _RATES:
             v = row.get(k)
             if v is None and k in ("input", "output"): raise config_error(path, lines, where + (k,), "required (USD per million tokens)")
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-                raise config_error(path, lines, where + (k,), "expected USD per million tokens (a number >= 0)")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise config_error(path, lines, where + (k,), f"expected USD per million tokens (a finite number >= 0), got {v!r}")
         aliases = row.get("aliases") or ()
         if isinstance(aliases, str) or not all(isinstance(a, str) for a in aliases): raise config_error(path, lines, where + ("aliases",), "expected a list of model names")
         p = Price(**{**row, "aliases": tuple(aliases), **{k: float(row[k]) for k in _RATES if row.get(k) is not None}})
@@ -110,15 +112,52 @@ def _cjk(ch:str)->bool:
     o = ord(ch)
     return 0x3000 <= o <= 0x9FFF or 0xAC00 <= o <= 0xD7AF or 0xF900 <= o <= 0xFAFF or 0xFF00 <= o <= 0xFFEF or 0x20000 <= o <= 0x2FA1F
 
+# %% ../../nbs/run/04b_cost.ipynb #83631975
 def approx_tokens(text:str)->int:
     "Approximate token count of a text: CJK characters one each, other characters one per four"
     cjk = sum(map(_cjk, text))
     return cjk + math.ceil((len(text) - cjk) / CHARS_PER_TOKEN)
 
+# %% ../../nbs/run/04b_cost.ipynb #4412f438
 def approx_prompt_tokens(messages, response_schema:dict|None=None)->int:
     "Approximate prompt tokens of chat messages (and a reply schema, which the provider also reads)"
     n = sum(approx_tokens(str(m.get("content") or "")) + MESSAGE_OVERHEAD for m in messages)
     return n + (approx_tokens(json.dumps(response_schema)) if response_schema else 0)
+
+# %% ../../nbs/run/04b_cost.ipynb #a366a46f
+CHAT_FRAMING = {"message": 3, "name": 1, "reply": 3}   # tokens of OpenAI's chat format itself: per message, per name, before the reply
+
+@functools.lru_cache(maxsize=None)
+def bpe_encoding(name:str):
+    "A packaged BPE encoding (`o200k_base`, `cl100k_base`) from quicktok, loaded once"
+    import quicktok
+    return quicktok.get_encoding(name)
+
+# %% ../../nbs/run/04b_cost.ipynb #72b0af88
+def _message_text(v)->str:
+    if isinstance(v, str): return v
+    if isinstance(v, (list, tuple)): return "".join(p.get("text") or "" for p in v if isinstance(p, dict))   # content parts
+    return "" if v is None else str(v)
+
+# %% ../../nbs/run/04b_cost.ipynb #c01d8d9f
+def exact_prompt_tokens(encoding:str,             # o200k_base | cl100k_base
+                        messages,                 # chat messages
+                        response_schema:dict|None=None, # a reply schema (counted as its JSON text)
+                       )->int:
+    "Prompt tokens of chat messages as OpenAI counts them: each role, name and content exactly, plus the chat format's own tokens"
+    enc = bpe_encoding(encoding)
+    n = CHAT_FRAMING["reply"]
+    for m in messages:
+        n += CHAT_FRAMING["message"] + sum(enc.count(_message_text(m.get(k))) for k in ("role", "content", "name") if m.get(k) is not None)
+        if m.get("name"): n += CHAT_FRAMING["name"]
+    return n + (enc.count(json.dumps(response_schema)) if response_schema else 0)
+
+# %% ../../nbs/run/04b_cost.ipynb #022fe513
+def prompt_counter(backend)->tuple:
+    "(count(messages, response_schema) -> prompt tokens, how it counts: exact (ENCODING) | approximate) for a backend"
+    enc = getattr(backend, "token_encoding", None)
+    if isinstance(enc, str) and importlib.util.find_spec("quicktok") is not None: return functools.partial(exact_prompt_tokens, enc), f"exact ({enc})"
+    return approx_prompt_tokens, "approximate"
 
 # %% ../../nbs/run/04b_cost.ipynb #7a6b0743
 def local_tokenizer(model:str)->"Callable|None":
@@ -141,6 +180,36 @@ def max_output_tokens(backend, max_new_tokens:int|None=None)->int:
     budget = getattr(backend, "output_budget", None)
     if callable(budget): return int(budget(max_new_tokens))
     return int(max_new_tokens or getattr(backend, "max_new_tokens", None) or 0)
+
+# %% ../../nbs/run/04b_cost.ipynb #0425a67f
+SPEND_FILE = "spend.jsonl"   # in the run folder: one line per priced reply, appended as it arrives
+
+class RunSpend:
+    "What a run folder has spent, across all its reruns: OUT/spend.jsonl, one line per priced reply, appended as it arrives"
+    def __init__(self, folder:str|Path): # the run folder
+        self.path = Path(folder)/SPEND_FILE
+        self.before, self._f = self.total(), None
+    def total(self)->float:
+        "USD recorded so far (a line cut short by a kill is skipped: that reply is counted again when it is asked again)"
+        if not self.path.is_file(): return 0.0
+        usd = 0.0
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try: v = float(json.loads(line)["usd"])
+            except (ValueError, KeyError, TypeError): continue
+            if math.isfinite(v) and v > 0: usd += v
+        return usd
+    def add(self, usd:float, input_tokens:int=0, output_tokens:int=0):
+        "Record one reply's cost, flushed at once (a kill loses at most the line being written)"
+        if self._f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            cut = self.path.is_file() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n")
+            self._f = open(self.path, "a", encoding="utf-8")
+            if cut: self._f.write("\n")                         # a line a kill cut short ends here, not inside the next one
+        self._f.write(json.dumps({"usd": round(usd, 9), "in": int(input_tokens), "out": int(output_tokens)}) + "\n"); self._f.flush()
+    def close(self):
+        if self._f is not None: self._f.close(); self._f = None
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
 
 # %% ../../nbs/run/04b_cost.ipynb #e51a5708
 RELEASE_SPLIT_SIZES = {"MEDMISQA": 3112, "MEDMISMCQA": 3986, "MEDMISXPERTQA": 1544, "MEDMISJOURNEY": 2197, "MEDMISHLE": 93}
@@ -173,6 +242,7 @@ def _placeholder_key():
         if old is None: os.environ.pop(DRY_RUN_KEY_ENV, None)
         else: os.environ[DRY_RUN_KEY_ENV] = old
 
+# %% ../../nbs/run/04b_cost.ipynb #feb975e1
 def estimate_backend(cfg:RunConfig):
     "The API backend `cfg` would build, for its identity and caps (None for local models: nothing is loaded)"
     from medsafe_nb.models.base import parse_spec, backend_factory, make_backend
@@ -186,90 +256,52 @@ def estimate_backend(cfg:RunConfig):
         if "no API key" not in str(e) or "api_key_env" in opts: raise
     with _placeholder_key() as env: return make_backend(cfg.model, **opts, api_key_env=env)
 
-# %% ../../nbs/run/04b_cost.ipynb #93d1316c
-def _read_only(ledger)->sqlite3.Connection|None:
-    if not ledger or str(ledger) == ":memory:" or not Path(ledger).is_file(): return None
-    return sqlite3.connect(f"file:{ledger}?mode=ro", uri=True, timeout=10)
-
-def token_history(ledger:str|Path|None, # a ledger file (None or absent: no history)
-                  identity:dict,        # `backend.identity()`
-                 )->dict|None:          # {n, prompt_tokens, output_tokens}: means over its stored answers
-    "Mean prompt and output tokens of the answers the ledger holds for one model configuration"
-    from medsafe_nb.run.ledger import canonical_json
-    con = _read_only(ledger)
-    if con is None: return None
-    try:
-        try: rows = con.execute("SELECT result FROM responses WHERE identity=? AND op='generate'", (canonical_json(identity),)).fetchall()
-        except sqlite3.DatabaseError: return None
-    finally: con.close()
-    res = [json.loads(r[0]) for r in rows]
-    res = [r for r in res if r.get("completion_tokens") is not None]
-    if not res: return None
-    mean = lambda k: sum(int(r.get(k) or 0) for r in res) / len(res)
-    return {"n": len(res), "prompt_tokens": mean("prompt_tokens"), "output_tokens": mean("completion_tokens")}
-
-def ledger_has(ledger, keys:list[str])->set:
-    "The keys among `keys` that the ledger holds (read-only)"
-    con = _read_only(ledger)
-    if con is None: return set()
-    try:
-        out = set()
-        for s in range(0, len(keys), 900):
-            part = keys[s:s+900]
-            try: out |= {r[0] for r in con.execute(f"SELECT key FROM responses WHERE key IN ({','.join('?'*len(part))})", part)}
-            except sqlite3.DatabaseError: return set()
-        return out
-    finally: con.close()
-
-def ledger_count(ledger, identity:dict)->int:
-    "Answers the ledger holds for one model configuration (read-only)"
-    from medsafe_nb.run.ledger import canonical_json
-    con = _read_only(ledger)
-    if con is None: return 0
-    try: return con.execute("SELECT COUNT(*) FROM responses WHERE identity=?", (canonical_json(identity),)).fetchone()[0]
-    except sqlite3.DatabaseError: return 0
-    finally: con.close()
-
 # %% ../../nbs/run/04b_cost.ipynb #7be5f181
 def estimate_run(cfg:RunConfig,          # the run
                  prices:dict|None=None,  # `load_prices()` (default: cfg.prices, else the shipped table)
                  ledger:str|Path|None=None, # the ledger to count answers in (default: cfg.ledger, else OUT/ledger.sqlite)
                 )->dict:                 # one row of the estimate table
-    "Prompts, missing prompts, tokens and cost of one run, computed offline (no model is asked anything)"
+    "Prompts, missing prompts, tokens and cost of one run, and what its folder has spent, computed offline (no model is asked anything)"
     from medsafe_nb.models.base import parse_spec, GenRequest
+    from medsafe_nb.models.openai import ServedUnknown
     from medsafe_nb.protocols import build_prompts
-    from medsafe_nb.run.ledger import request_key, request_payload
     prices = prices if prices is not None else load_prices(cfg.prices)
     ledger = ledger or cfg.ledger or (Path(cfg.out)/"ledger.sqlite" if cfg.out else None)
     items, weight, counted = estimate_items(cfg)
     backend = estimate_backend(cfg)
     kind, name = parse_spec(cfg.model)
-    schema_ok = bool(getattr(backend, "structured_output", False))
-    structured = False if cfg.prompt != "paper" else (schema_ok if cfg.structured is None else cfg.structured)
+    provider = getattr(backend, "provider", None) if backend is not None else None
     mitigation = "warning" if "warning" in cfg.mitigation else "none"
-    prompts = build_prompts(items, cfg.conditions, seed=cfg.seed, mitigation=mitigation, prompt=cfg.prompt, structured=structured)
-    index = [None] if (cfg.samples or 1) == 1 else list(range(cfg.samples))   # K samples: K requests per prompt, as the run asks
-    asked = [(p, s) for p in prompts for s in index]
-    prompts = [p for p, _ in asked]
+    prompts = build_prompts(items, cfg.conditions, seed=cfg.seed, mitigation=mitigation, prompt=cfg.prompt,
+                            structured=cfg.structured if cfg.scoring == "generate" else "off", provider=provider,   # the run's requests, for their ledger keys
+                            format=cfg.format, delivery=cfg.delivery, turns_before=cfg.turns_before)
+    k = cfg.samples or 1                                  # K samples: K requests per prompt, as the run asks
     split = {it.id: it.split for it in items}
-    w = [weight[split[p.item_id]] if weight else 1.0 for p in prompts]
+    w = [(weight[split[p.item_id]] if weight else 1.0) for p in prompts]
     generate = cfg.scoring == "generate"
-    reqs = [GenRequest(p.messages, cfg.max_new_tokens, response_schema=p.response_schema, parts=p.parts, sample=s) for p, s in asked]
-    missing = [True] * len(prompts)
-    if backend is not None and weight is None:
-        keys = [request_key(backend.identity(), "generate", request_payload(r)) for r in reqs]
+    ident, unasked = None, None
+    if backend is not None:
+        try: ident = backend.identity()
+        except ServedUnknown as e: unasked = str(e)      # the server is down: which answers are its own is unknown, so every prompt counts as missing
+    missing = [k] * len(prompts)                          # requests missing per prompt
+    if ident is not None and weight is None and ledger_count(ledger, ident):
+        index = [None] if k == 1 else list(range(k))
+        keys = [request_key(ident, "generate", request_payload(GenRequest(p.messages, cfg.max_new_tokens, response_schema=p.response_schema, parts=p.parts,
+                                                                          sample=s, reply_format=p.reply_format, protocol=p.protocol)))
+                for p in prompts for s in index]
         have = ledger_has(ledger, keys)
-        missing = [k not in have for k in keys]
-    n_total = sum(w)
-    n_missing = sum(x for x, m in zip(w, missing) if m)
-    if backend is not None and weight is not None: n_missing = max(0.0, n_total - ledger_count(ledger, backend.identity()))
+        missing = [sum(key not in have for key in keys[j*len(index):(j+1)*len(index)]) for j in range(len(prompts))]
+    n_total = k * sum(w)
+    n_missing = sum(x * m for x, m in zip(w, missing))
+    if ident is not None and weight is not None: n_missing = max(0.0, n_total - ledger_count(ledger, ident))
     share = n_missing / n_total if n_total else 0.0
-    counter = local_tokenizer(cfg.model) or approx_prompt_tokens
-    in_tok = sum(x * counter(p.messages, p.response_schema) for x, p in zip(w, prompts)) * (share if weight else 1)
-    if weight is None: in_tok = sum(x * counter(p.messages, p.response_schema) for x, p, m in zip(w, prompts, missing) if m)
+    counter, tokens = prompt_counter(backend) if backend is not None else (approx_prompt_tokens, "approximate")
+    if counter is approx_prompt_tokens and (local := local_tokenizer(cfg.model)): counter, tokens = local, "the model's tokenizer"
+    each = [counter(p.messages, p.response_schema) for p in prompts]       # once per prompt, whatever K
+    in_tok = k * sum(x * n for x, n in zip(w, each)) * share if weight else sum(x * n * m for x, n, m in zip(w, each, missing))
     cap = max_output_tokens(backend, cfg.max_new_tokens) if backend is not None else (cfg.max_new_tokens or 0)
     if not generate: cap = 1
-    hist = token_history(ledger, backend.identity()) if backend is not None else None
+    hist = token_history(ledger, ident) if ident is not None else None
     out_max = n_missing * cap
     out_exp = n_missing * hist["output_tokens"] if hist else None
     price = price_for(prices, kind, name, getattr(backend, "base_url", None)) if backend is not None else None
@@ -278,13 +310,15 @@ def estimate_run(cfg:RunConfig,          # the run
     cost_exp = lambda batch: request_cost(price, round(in_exp), round(out_exp), batch=batch) if out_exp is not None else None
     why = (f"{price.source} (read {price.date})" if price else
            "no price (self-hosted server)" if backend is not None and getattr(backend, "base_url", None) else "no price")
+    spent = RunSpend(cfg.out).before if cfg.out else 0.0
     return {"label": cfg.label or cfg.model, "model": cfg.model, "prompts": round(n_total), "missing": round(n_missing),
             "input_tokens": round(in_tok), "output_cap": cap, "output_tokens_max": round(out_max),
             "output_tokens_expected": round(out_exp) if out_exp is not None else None,
             "expected_from": f"ledger ({hist['n']} answers)" if hist else "output cap (no answers yet)",
             "cost_usd_max": cost(out_max, False), "cost_usd_batch_max": cost(out_max, True),
             "cost_usd_expected": cost_exp(False), "cost_usd_batch_expected": cost_exp(True),
-            "price": why, "counted": counted, "tokens": "approximate" if counter is approx_prompt_tokens else "the model's tokenizer"}
+            "price": why, "counted": counted, "tokens": tokens, "server": unasked,
+            "spent_usd": spent, "max_cost_usd": cfg.max_cost, "remaining_usd": None if cfg.max_cost is None else max(0.0, cfg.max_cost - spent)}
 
 # %% ../../nbs/run/04b_cost.ipynb #806753c2
 def estimate(cfgs:list, # RunConfigs, one per model configuration
@@ -292,6 +326,7 @@ def estimate(cfgs:list, # RunConfigs, one per model configuration
     "The estimate table of several runs (one row each)"
     return pd.DataFrame([estimate_run(c, prices, ledger) for c in cfgs])
 
+# %% ../../nbs/run/04b_cost.ipynb #b2862194
 def estimate_params(params:str|Path, # a params file, or demo | smoke | paper
                     prices:str|Path|dict|None=None, # a prices file or table (default: the shipped one)
                    )->pd.DataFrame:
@@ -301,16 +336,38 @@ def estimate_params(params:str|Path, # a params file, or demo | smoke | paper
     p = load_params(params)
     table = prices if isinstance(prices, dict) else load_prices(prices or p.defaults.get("prices"))
     cfgs = [replace(m.config, out=str(resolve_path(p.runs_dir)/m.run_name),
-                    ledger=str(resolve_path(m.config.ledger)) if m.config.ledger else None) for m in p.models]
+                    ledger=str(resolve_path(m.config.ledger)) if m.config.ledger else None) for m in p.models + p.beyond]
     return estimate(cfgs, table)
 
 # %% ../../nbs/run/04b_cost.ipynb #d0d2cc98
 def _money(v)->str: return "no price" if v is None or (isinstance(v, float) and math.isnan(v)) else f"${v:,.2f}"
+
+# %% ../../nbs/run/04b_cost.ipynb #08d02223
 def _expected(v, r)->str: return "— (no answers yet)" if r.output_tokens_expected is None or pd.isna(r.output_tokens_expected) else _money(v)
+
+# %% ../../nbs/run/04b_cost.ipynb #e1f5b0ba
 def _mtok(v)->str: return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v/1e6:,.2f}M"
 
+# %% ../../nbs/run/04b_cost.ipynb #45ae824b
+def _usd(v)->float|None: return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+# %% ../../nbs/run/04b_cost.ipynb #72a15ba1
+def _budget_line(r)->str|None:
+    "Spent, remaining and projected for one row with a budget (or money already spent in its folder)"
+    spent, cap = float(getattr(r, "spent_usd", 0.0) or 0.0), _usd(getattr(r, "max_cost_usd", None))
+    if cap is None and not spent: return None
+    exp, most = _usd(r.cost_usd_expected), _usd(r.cost_usd_max)
+    proj = f"projected ${spent + exp:,.2f} (at most ${spent + most:,.2f})" if exp is not None and most is not None else \
+           f"projected at most ${spent + most:,.2f}" if most is not None else "projected: no price"
+    if cap is None: return f"- {r.label}: ${spent:,.2f} spent in its run folder; {proj}"
+    left = max(0.0, cap - spent)
+    stop = "; already spent: a run stops before its first request" if spent >= cap and r.missing else \
+           "; the cap stops the run before the worst case crosses it" if most is not None and spent + most > cap else ""
+    return f"- {r.label}: --max-cost ${cap:,.2f}: ${spent:,.2f} spent in its run folder, ${left:,.2f} left; {proj}{stop}"
+
+# %% ../../nbs/run/04b_cost.ipynb #1b7a8a5a
 def estimate_table(df:pd.DataFrame)->str:
-    "The estimate as a markdown table, a total row, and where each price comes from"
+    "The estimate as a markdown table, a total row, how tokens were counted, the budget of each folder, and where each price comes from"
     head = "| model | prompts | missing | input tokens | output tokens (cap) | live | batch | expected live | expected batch |"
     lines = [head, "|" + "---|" * 9]
     for r in df.itertuples():
@@ -321,8 +378,14 @@ def estimate_table(df:pd.DataFrame)->str:
                  f"{_money(tot('cost_usd_max'))} | {_money(tot('cost_usd_batch_max'))} | {_money(tot('cost_usd_expected')) if tot('cost_usd_expected') is not None else '—'} | "
                  f"{_money(tot('cost_usd_batch_expected')) if tot('cost_usd_batch_expected') is not None else '—'} |")
     notes = ["", "live / batch: every reply at its output cap (an upper bound); expected: the ledger's mean output of the same "
-             "configuration, where it has answers. Totals add the priced rows only. Input tokens: " + ", ".join(sorted(set(df.tokens))) +
-             " (approximate: CJK character = 1, else 4 characters = 1, + 4 per message).", f"counted from: {', '.join(sorted(set(df.counted)))}", "prices:"]
+             "configuration, where it has answers. Totals add the priced rows only.", "input tokens:"]
+    notes += [f"- {r.label}: {r.tokens}" for r in df.itertuples()]
+    if (df.tokens == "approximate").any(): notes.append("  (approximate: CJK character = 1, else 4 characters = 1, + 4 per message; "
+                                                        "exact: the model's encoding, with OpenAI's chat framing; a reply schema counted as its JSON text)")
+    if "server" in df.columns and df.server.notna().any(): notes += [f"- {r.label}: {r.server}: every prompt counted as missing" for r in df.itertuples() if r.server]
+    budget = [b for r in df.itertuples() if (b := _budget_line(r))]
+    if budget: notes += ["budget (per run folder, across reruns):"] + budget
+    notes += [f"counted from: {', '.join(sorted(set(df.counted)))}", "prices:"]
     notes += [f"- {s}" for s in dict.fromkeys(df.price)]
     return "\n".join(lines + notes)
 
@@ -330,32 +393,39 @@ def estimate_table(df:pd.DataFrame)->str:
 class BudgetReached(MedsafeError):
     "The next request could cross --max-cost: the run stopped before sending it"
 
+# %% ../../nbs/run/04b_cost.ipynb #e2113611
 def _fmt_tok(n:int)->str: return f"{n/1e6:.2f}M" if n >= 1e6 else f"{n/1e3:.1f}k" if n >= 1e3 else str(n)
 
+# %% ../../nbs/run/04b_cost.ipynb #e78c02ee
 class CostMeter:
     "Wrap a backend: price each reply as it arrives, keep the totals, and stop before a request could cross `max_cost`"
     def __init__(self, backend,               # the run's backend (any: a model, a breaker, the search wrapper)
                  price:Price|None,            # the model's rates (None: tokens only)
-                 max_cost:float|None=None,    # USD this run may spend (None: no budget)
+                 max_cost:float|None=None,    # USD the run folder may spend in all (None: no budget)
                  batch:bool=False,            # priced at the batch API's rates
                  max_new_tokens:int|None=None, # the run's output cap (None: the backend's own)
+                 spend:RunSpend|None=None,    # the run folder's spend: earlier reruns count against `max_cost`, and each reply is added
                 ):
         if max_cost is not None and request_cost(price, 0, 0, batch=batch) is None:
             raise ConfigError(f"max-cost: {getattr(backend, 'name', backend)} has no {'batch ' if batch else ''}price in the price table, so a budget "
                               "cannot be kept; add a sourced row with --prices FILE, or drop --max-cost")
-        self._backend, self.price, self.max_cost, self.batch, self.max_new_tokens = backend, price, max_cost, batch, max_new_tokens
+        self._backend, self.price, self.max_cost, self.batch, self.max_new_tokens, self.spend = backend, price, max_cost, batch, max_new_tokens, spend
+        self.before = spend.before if spend is not None else 0.0
         self.spent, self.input_tokens, self.output_tokens, self.reasoning_tokens, self.answered, self.todo = 0.0, 0, 0, 0, 0, 0
+        self._count_prompt, self.tokens = prompt_counter(backend)
     def __getattr__(self, name): return getattr(self._backend, name)
 
     def worst_case(self, req)->float:
-        "USD one request may cost at most: its prompt (approximate tokens) and its whole output budget"
+        "USD one request may cost at most: its prompt tokens (exact where the encoding is known) and its whole output budget"
         cap = max_output_tokens(self._backend, getattr(req, "max_new_tokens", None) or self.max_new_tokens)
-        return request_cost(self.price, approx_prompt_tokens(req.messages, getattr(req, "response_schema", None)), cap, batch=self.batch) or 0.0
+        return request_cost(self.price, self._count_prompt(req.messages, getattr(req, "response_schema", None)), cap, batch=self.batch) or 0.0
 
     def _count(self, res):
         pt, ct, rt = (getattr(res, k, None) or 0 for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens"))
         self.input_tokens += pt; self.output_tokens += ct; self.reasoning_tokens += rt; self.answered += 1
-        self.spent += request_cost(self.price, pt, ct, rt, batch=self.batch) or 0.0
+        usd = request_cost(self.price, pt, ct, rt, batch=self.batch) or 0.0
+        self.spent += usd
+        if self.spend is not None and usd > 0: self.spend.add(usd, pt, ct)
 
     def _waves(self, requests:list, op:str)->Iterator[tuple[int, object]]:
         self.todo += len(requests)
@@ -363,15 +433,17 @@ class CostMeter:
         while start < len(requests):
             take = len(requests) - start
             if self.max_cost is not None:
-                room, take, acc = self.max_cost - self.spent, 0, 0.0
+                room, take, acc = self.max_cost - self.before - self.spent, 0, 0.0
                 for r in requests[start:]:
                     acc += self.worst_case(r)
                     if acc > room: break
                     take += 1
                 if take == 0:
-                    raise BudgetReached(f"--max-cost ${self.max_cost:,.2f} reached: spent ${self.spent:,.4f} on {self.answered} replies, and the next "
-                                        f"request may cost up to ${self.worst_case(requests[start]):,.4f}; {len(requests) - start} requests not sent. "
-                                        "Everything received is kept in the ledger: rerun with a larger --max-cost to continue")
+                    earlier = f" (${self.before:,.4f} of it by earlier runs of this folder)" if self.before else ""
+                    raise BudgetReached(f"--max-cost ${self.max_cost:,.2f} reached: the run folder has spent ${self.before + self.spent:,.4f}{earlier}, "
+                                        f"{self.answered} replies on this run, and the next request may cost up to ${self.worst_case(requests[start]):,.4f}; "
+                                        f"{len(requests) - start} requests not sent. Everything received is kept in the ledger: rerun with a larger "
+                                        "--max-cost (it caps the folder's total, across reruns) to continue")
             for j, res in getattr(self._backend, op)(requests[start:start+take]):
                 self._count(res)
                 yield start + j, res
@@ -387,16 +459,21 @@ class CostMeter:
         return self.spent + self.spent / self.answered * max(0, self.todo - self.answered)
 
     def progress_note(self)->str:
-        "Tokens and money so far, and the projected total (the progress line's tail)"
+        "Tokens and money so far, the projected total, and the folder's budget (the progress line's tail)"
         tok = f"tok in {_fmt_tok(self.input_tokens)} out {_fmt_tok(self.output_tokens)}" + (f" (reasoning {_fmt_tok(self.reasoning_tokens)})" if self.reasoning_tokens else "")
         money = "" if self.price is None else f" ${self.spent:,.2f}" + (f" of ~${self.projected:,.2f}" if self.projected is not None else "")
+        if self.max_cost is not None:
+            folder = self.before + self.spent
+            money += f" | folder ${folder:,.2f} spent, ${max(0.0, self.max_cost - folder):,.2f} left of ${self.max_cost:,.2f}"
         limit = getattr(self._backend, "concurrency_note", None)
         return tok + money + (f" {limit()}" if callable(limit) else "")
 
     def record(self)->dict:
-        "What run.json keeps of this run's spending"
+        "What run.json keeps of this run's spending, and of the run folder's in all"
+        priced = self.price is not None
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "reasoning_tokens": self.reasoning_tokens,
-                "replies": self.answered, "spent_usd": round(self.spent, 6) if self.price else None, "max_cost_usd": self.max_cost,
+                "replies": self.answered, "spent_usd": round(self.spent, 6) if priced else None, "max_cost_usd": self.max_cost,
+                "folder_spent_usd": round(self.before + self.spent, 6) if priced else None, "prompt_tokens_counted": self.tokens,
                 "batch": self.batch, "price": None if self.price is None else {"model": self.price.model, "source": self.price.source, "date": self.price.date}}
 
 # %% ../../nbs/run/04b_cost.ipynb #129b0a09

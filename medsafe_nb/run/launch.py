@@ -64,6 +64,7 @@ def _medsafe_entry()->list[str]:
     script = Path(sys.executable).with_name("medsafe")
     return [str(script)] if script.is_file() else ["-m", "medsafe_nb.cli"]
 
+# %% ../../nbs/run/15a_launch.ipynb #2ec0b4b2
 def accelerate_command(cfg:RunConfig,     # the run
                        num_processes:int, # processes (one per GPU)
                       )->list[str]: # argv of `python -m accelerate.commands.launch … medsafe run …`
@@ -108,15 +109,15 @@ def run_model(cfg:RunConfig,             # the run (`run_config`)
     return Path(cfg.out)
 
 # %% ../../nbs/run/15a_launch.ipynb #503de10d
-def run_dirs(prm:Params)->list[Path]:
-    "The run folders of the params' models (runs_dir/run_name), in params order"
-    return [Path(prm.runs_dir) / e.run_name for e in prm.models]
+def run_dirs(prm:Params, section:str="models")->list[Path]:
+    "The run folders of the params' models (runs_dir/run_name), in params order; section `beyond`: those of its beyond entries"
+    return [Path(prm.runs_dir) / e.run_name for e in (prm.beyond if section == "beyond" else prm.models)]
 
 # %% ../../nbs/run/15a_launch.ipynb #f3d2db40
 def run_overview(prm:Params)->pd.DataFrame:
     "Per model: spec, run folder, items, rows, answer statuses and what the ledger served"
     rows = []
-    for e, d in zip(prm.models, run_dirs(prm)):
+    for e, d in zip(prm.models + prm.beyond, run_dirs(prm) + run_dirs(prm, "beyond")):
         rec = json.loads((Path(d) / "run.json").read_text())
         st, led = rec["counts"]["by_status"], rec.get("ledger_stats", {})
         rows.append({"model": e.label, "spec": e.model, "run": str(d), "scoring": rec["scoring"], "items": rec["n_items"],

@@ -7,133 +7,22 @@ from __future__ import annotations
 import copy, hashlib, json, os, re, sqlite3, threading, time
 from collections import defaultdict
 from dataclasses import dataclass, fields, asdict
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 from fastcore.basics import patch
 from tqdm import tqdm
-from ..core import MedsafeError, ConfigError, atomic_write, find_secret, scrub_secrets, utc_now
+from ..core import ConfigError, atomic_write, scrub_secrets, utc_now
 from ..models.base import Backend, GenRequest, Generation, ScoreRequest, Scores, is_main_process
+from ..models.identity import (OPS, KeyingError, canonical_json, request_payload, request_key, key_of,
+                                        keys_of, payload_json)
+from .ledger_file import (LEDGER_APP_ID, LEDGER_TABLES, LEDGER_VERSION, RESPONSE_COLS, LedgerError, assert_no_secrets,
+                                        recognise_ledger, salvage_advice)
+from .ledger_batches import BatchTable
 
 # %% auto #0
-__all__ = ['OPS', 'LEDGER_VERSION', 'SALVAGE_HINT', 'LEDGER_APP_ID', 'BATCH_STATES', 'BATCH_OPEN', 'LedgerError',
-           'canonical_json', 'request_payload', 'request_key', 'assert_no_secrets', 'LedgerCounts', 'ledger_damage',
-           'recognise_ledger', 'Ledger', 'known_keys', 'cached_generate', 'cached_score', 'salvage_ledger']
-
-# %% ../../nbs/run/09_ledger.ipynb #347ecf53
-class LedgerError(MedsafeError):
-    "A ledger file that cannot be used, or a request that cannot be stored"
-
-# %% ../../nbs/run/09_ledger.ipynb #58469c8e
-def _norm(obj):
-    t = type(obj)                                          # exact types first: a resumed run keys every request again
-    if t is str or t is int or t is bool or obj is None: return obj
-    if t is dict: return {k if type(k) is str else str(k): _norm(v) for k, v in obj.items()}
-    if t is list or t is tuple: return [_norm(v) for v in obj]
-    if isinstance(obj, dict): return {str(k): _norm(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return [_norm(v) for v in obj]
-    if isinstance(obj, float) and obj.is_integer(): return int(obj)
-    return obj
-
-_LEAF_TYPES = frozenset({str, int, bool, type(None)})   # exact types that JSON writes as they are
-
-def _plain(obj)->bool:
-    "True when `_norm` would leave `obj` as it is (written the same): dicts with str keys, lists, tuples, str, int, bool, None"
-    t = type(obj)
-    if t is dict: return all(type(k) is str for k in obj) and all(type(v) in _LEAF_TYPES or _plain(v) for v in obj.values())
-    if t is list or t is tuple: return all(type(v) in _LEAF_TYPES or _plain(v) for v in obj)
-    return t in _LEAF_TYPES
-
-_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False)   # what json.dumps builds per call
-
-def canonical_json(obj:Any)->str: # sorted keys, compact separators, UTF-8 kept
-    "The canonical JSON text of `obj`, the form that ledger keys hash"
-    try: return _CANONICAL.encode(obj if _plain(obj) else _norm(obj))
-    except (TypeError, ValueError) as e: raise LedgerError(f"cannot key a ledger entry on this value: {e}") from None
-
-# %% ../../nbs/run/09_ledger.ipynb #85687788
-OPS = ("generate", "score")
-
-# %% ../../nbs/run/09_ledger.ipynb #b7e21267
-def request_payload(request:GenRequest|ScoreRequest)->dict: # the request's fields, without those left at None
-    "The part of a request that its ledger key covers: what the model is sent (`parts` repeats it as structure)"
-    return {n: v for n in _compared_fields(type(request)) if (v := getattr(request, n)) is not None}
-
-from functools import lru_cache
-@lru_cache(maxsize=None)
-def _compared_fields(cls)->tuple: return tuple(f.name for f in fields(cls) if f.compare)
-@lru_cache(maxsize=None)
-def _field_names(cls)->tuple: return tuple(f.name for f in fields(cls))
-
-# %% ../../nbs/run/09_ledger.ipynb #cf522f17
-def _key(identity_json:str, op:str, payload_json:str)->str:
-    # the canonical JSON of {"identity", "op", "payload"} assembled from canonical parts (its keys are already sorted)
-    return hashlib.sha256(f'{{"identity":{identity_json},"op":{json.dumps(op)},"payload":{payload_json}}}'.encode()).hexdigest()
-
-def request_key(identity:dict, # `backend.identity()`: kind, model, revision, decoding parameters
-                op:str,        # `generate` or `score`
-                payload:dict,  # the request: messages, max_new_tokens / candidates, prefix
-               )->str:         # 64 hex digits
-    "The ledger key of one request: sha256 of the canonical JSON of `{identity, op, payload}`"
-    if op not in OPS: raise LedgerError(f"unknown ledger op {op!r}; known: {', '.join(OPS)}")
-    return _key(canonical_json(identity), op, canonical_json(payload))
-
-# %% ../../nbs/run/09_ledger.ipynb #b1c2d3e8
-def _keys(identity_json:str, op:str, payload_jsons:list[str])->list[str]:
-    "`_key` of each payload of one identity and op; the text they all start with is hashed once"
-    head = hashlib.sha256(f'{{"identity":{identity_json},"op":{json.dumps(op)},"payload":'.encode())
-    out = []
-    for p in payload_jsons:
-        h = head.copy(); h.update(p.encode()); h.update(b"}"); out.append(h.hexdigest())
-    return out
-
-_ROLE_CONTENT = {"content", "role"}
-_json_text = json.encoder.encode_basestring           # how the canonical encoder writes a str (UTF-8 kept)
-
-def _messages_json(messages)->str:
-    "`canonical_json(messages)`; a message of only `role` and `content` text is written directly (a request's usual shape)"
-    if type(messages) is not tuple and type(messages) is not list: return canonical_json(messages)
-    out = []
-    for m in messages:
-        if type(m) is dict and m.keys() == _ROLE_CONTENT and type(c := m["content"]) is str and type(r := m["role"]) is str:
-            out.append('{"content":' + _json_text(c) + ',"role":' + _json_text(r) + "}")
-        else: out.append(canonical_json(m))
-    return "[" + ",".join(out) + "]"
-
-@lru_cache(maxsize=None)
-def _sorted_fields(cls)->tuple: return tuple(sorted(_compared_fields(cls)))
-
-def _payload_json(request:GenRequest|ScoreRequest)->str:
-    "`canonical_json(request_payload(request))`, field by field in sorted order (field names need no escaping)"
-    parts = []
-    for n in _sorted_fields(type(request)):
-        if (v := getattr(request, n)) is not None: parts.append(f'"{n}":' + (_messages_json(v) if n == "messages" else canonical_json(v)))
-    return "{" + ",".join(parts) + "}"
-
-# %% ../../nbs/run/09_ledger.ipynb #285e06f1
-def assert_no_secrets(obj:Any,              # an identity (or any JSON-like value) about to be stored
-                      where:str="identity", # how the message names `obj`
-                     )->Any:                # `obj`, unchanged
-    "Raise `LedgerError` if `obj` holds anything shaped like a credential (`core.find_secret`); the message names the field, never the value"
-    hit = find_secret(obj, where)
-    if hit:
-        path, what = hit
-        say = f"{path}: {what} cannot be stored" if what.startswith("a field named") else f"{path} looks like {what} and cannot be stored"
-        raise LedgerError(f"{say} in the ledger; backends must keep credentials out of identity() and read them from the environment")
-    return obj
-
-# %% ../../nbs/run/09_ledger.ipynb #fe3c2acb
-LEDGER_VERSION = 1
-_TABLES = ["CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
-           """CREATE TABLE IF NOT EXISTS responses (
-                key TEXT PRIMARY KEY,      -- request_key(identity, op, payload)
-                op TEXT NOT NULL,          -- generate | score
-                model TEXT NOT NULL,       -- identity['model'], for stats
-                identity TEXT NOT NULL,    -- canonical JSON of backend.identity()
-                request TEXT NOT NULL,     -- canonical JSON of the request payload
-                result TEXT NOT NULL,      -- JSON of the Generation / Scores
-                created_at TEXT NOT NULL)  -- UTC, ISO 8601"""]
-_COLS = ("key", "op", "model", "identity", "request", "result", "created_at")
-_SQL_VARS = 900  # keys per lookup query, under SQLite's oldest variable limit (999)
+__all__ = ['GRADE_COLS', 'LedgerCounts', 'Ledger', 'row_problem', 'known_keys', 'cached_generate', 'cached_score',
+           'grade_request', 'grade_key']
 
 # %% ../../nbs/run/09_ledger.ipynb #f99c18b6
 @dataclass
@@ -149,72 +38,22 @@ class LedgerCounts:
         for f in fields(self): setattr(self, f.name, getattr(self, f.name) + getattr(o, f.name))
         return self
 
-# %% ../../nbs/run/09_ledger.ipynb #15b2c4bd
-SALVAGE_HINT = "salvage what is readable into a new ledger with `medsafe ledger salvage {path} --out NEW.sqlite` (then run with --ledger NEW.sqlite)"
-
-def _cap(s:str)->str: return s[:1].upper() + s[1:]
-
-def _truncation(path:Path)->str|None:
-    "A file shorter than its header says, or not a whole number of pages: what SQLite itself may read past without a word"
-    size = path.stat().st_size
-    with open(path, "rb") as f: head = f.read(100)
-    if len(head) < 100: return f"truncated: {size} bytes, shorter than a SQLite header"
-    page = int.from_bytes(head[16:18], "big"); page = 65536 if page == 1 else page
-    pages = int.from_bytes(head[28:32], "big")
-    if page < 512 or page & (page - 1): return None                  # not a header this check can read: quick_check will say
-    if size % page: return f"truncated: {size} bytes is not a whole number of {page}-byte pages"
-    if head[24:28] == head[92:96] and pages * page > size: return f"truncated: {size} bytes, the header says {pages} pages of {page}"
+# %% ../../nbs/run/09_ledger.ipynb #8669c160
+def _read_only(path:Path)->str|None:
+    "Why a ledger file cannot be written (SQLite writes the file, its journal and its shared-memory file beside it), or None"
+    if path.exists() and not os.access(path, os.W_OK): return "the file is read-only"
+    if not os.access(path.parent, os.W_OK | os.X_OK): return f"its folder {path.parent} is read-only (SQLite keeps its journal beside the file)"
+    for side in (Path(f"{path}-wal"), Path(f"{path}-shm")):
+        if side.exists() and not os.access(side, os.W_OK): return f"{side.name} is read-only"
     return None
 
-def ledger_damage(path:str|os.PathLike, # an existing SQLite file
-                  limit:int=5,          # problems reported at most
-                 )->str|None:           # what is wrong, or None when it reads intact
-    "Read-only integrity check of a SQLite file (`PRAGMA quick_check`): what is wrong with it, or None"
-    path = Path(path).resolve()
-    wal = Path(f"{path}-wal").exists()              # a live write-ahead log is read with the file; without one, nothing is created beside it
-    has_frames = wal and Path(f"{path}-wal").stat().st_size > 0
-    if not has_frames and (cut := _truncation(path)): return cut   # with a live log, pages past the file's end sit in the log
-    try:
-        con = sqlite3.connect(path.as_uri() + ("?mode=ro" if wal else "?mode=ro&immutable=1"), uri=True, timeout=5)
-        con.text_factory = lambda b: b.decode("utf-8", "replace")       # damage can put any bytes in the report
-        try: found = [r[0] for r in con.execute(f"PRAGMA quick_check({int(limit)})")]
-        finally: con.close()
-    except (sqlite3.DatabaseError, ValueError) as e:
-        if "locked" in str(e): raise
-        return str(e)
-    return None if found == ["ok"] else "; ".join(" ".join(str(f).split()) for f in found)[:500]
-
-# %% ../../nbs/run/09_ledger.ipynb #b295ef20
-LEDGER_APP_ID = 0x4D534C47   # "MSLG" in the SQLite header's application_id
-
-def recognise_ledger(path:str|os.PathLike)->bool: # True: our ledger, False: no file or an empty one (a new ledger)
-    "Check, read-only, that an existing file is a medsafe ledger; raise `LedgerError` (the file untouched) when it is not"
-    path = Path(path)
-    if not path.exists() or path.stat().st_size == 0: return False
-    if not path.is_file(): raise LedgerError(f"{path}: not a file, so not a response ledger")
-    try:
-        with open(path, "rb") as f: head = f.read(16)
-    except OSError as e: raise LedgerError(f"{path}: cannot read the ledger ({e.strerror or e})") from None
-    if head != b"SQLite format 3\x00": raise LedgerError(f"{path}: not a SQLite database, so not a response ledger; left untouched (choose another "
-                                                         f"--ledger path; if it was a ledger whose header was overwritten: {SALVAGE_HINT.format(path=path)})")
-    if (damage := ledger_damage(path)): raise LedgerError(f"{path}: the ledger is damaged ({damage}); left as it was. {_cap(SALVAGE_HINT.format(path=path))}, "
-                                                          "or start a new one (another --ledger path, or move this file away)")
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-    try:
-        app = con.execute("PRAGMA application_id").fetchone()[0]
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    except sqlite3.DatabaseError as e:
-        if "locked" in str(e): raise
-        raise LedgerError(f"{path}: cannot read as a response ledger ({e}); left untouched") from None
-    finally: con.close()
-    ours = {"meta", "responses"}
-    if app not in (0, LEDGER_APP_ID) or (tables and not (ours <= tables or tables <= ours)):
-        raise LedgerError(f"{path}: a SQLite database of another application (application_id {app}, tables: {', '.join(sorted(tables)) or 'none'}), "
-                          "not a medsafe ledger; left untouched (choose another --ledger path)")
-    return bool(tables)
+# %% ../../nbs/run/09_ledger.ipynb #a262c0e6
+def _read_only_message(path:Path, why:str)->str:
+    return (f"{path}: the ledger cannot be written ({why}); a run stores every answer in it as it arrives: make it writable, or copy it "
+            f"(cp {path} NEW.sqlite) and run with --ledger NEW.sqlite. `medsafe ledger check {path}` reads it without writing")
 
 # %% ../../nbs/run/09_ledger.ipynb #8ee971e8
-class Ledger:
+class Ledger(BatchTable):
     "A content-addressed SQLite store of backend responses"
     def __init__(self, path:str|os.PathLike, # the SQLite file (parent folders are created); `:memory:` for a throwaway
                  timeout:float=60.0):       # seconds to wait for another process's write lock
@@ -222,7 +61,9 @@ class Ledger:
         if isinstance(self.path, Path): self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self.last, self.total = LedgerCounts(), LedgerCounts()
-        if isinstance(self.path, Path): self._retry(lambda: recognise_ledger(self.path), timeout)   # read-only, before any change
+        if isinstance(self.path, Path):
+            self._retry(lambda: recognise_ledger(self.path), timeout)   # read-only, before any change
+            if (why := _read_only(self.path)): raise LedgerError(_read_only_message(self.path, why))
         try:
             self._conn = sqlite3.connect(str(path), timeout=timeout, isolation_level=None, check_same_thread=False)
             self._conn.execute(f"PRAGMA busy_timeout={int(timeout*1000)}")
@@ -231,6 +72,7 @@ class Ledger:
             self._retry(self._init_schema, timeout)
         except sqlite3.DatabaseError as e:
             if hasattr(self, "_conn"): self._conn.close()
+            if "readonly" in str(e) or "read-only" in str(e): raise LedgerError(_read_only_message(self.path, "the file system refuses writes")) from None
             raise LedgerError(f"{path}: cannot open as a response ledger: {e}") from None
         except LedgerError:
             self._conn.close(); raise
@@ -254,7 +96,7 @@ class Ledger:
             c.execute(f"PRAGMA application_id={LEDGER_APP_ID}")
             c.execute("BEGIN IMMEDIATE")
             try:
-                for t in _TABLES: c.execute(t)
+                for t in LEDGER_TABLES: c.execute(t)
                 c.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('created_at', ?)", (str(LEDGER_VERSION), utc_now()))
                 c.execute("COMMIT")
             except BaseException: c.execute("ROLLBACK"); raise
@@ -278,11 +120,14 @@ class Ledger:
     def __repr__(self): return f"Ledger({str(self.path)!r}, rows={len(self)})"
 
 # %% ../../nbs/run/09_ledger.ipynb #88452a6d
+_SQL_VARS = 900  # keys per lookup query, under SQLite's oldest variable limit (999)
+
 def _sql_vars(conn)->int:
     "Keys per lookup query: as many as this SQLite allows (32,766 since 3.32; fewer queries for a resumed run), at least 900"
     try: return max(_SQL_VARS, min(conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) - 1, 32_000))
     except (AttributeError, sqlite3.Error): return _SQL_VARS
 
+# %% ../../nbs/run/09_ledger.ipynb #f88ca7d7
 @patch
 def _lookup(self:Ledger, keys:Iterable[str])->dict[str, str]:
     keys, out = sorted(set(keys)), {}             # in key order: each query walks the key index forwards
@@ -303,6 +148,7 @@ def _insert(self:Ledger, rows:list[tuple])->int:
         raise LedgerError(f"{self.path}: the disk is full ({full[0]}); the answers stored before it filled are kept and the ledger "
                           "stays readable: free space (or move the run with --out / --ledger) and run the same command again to resume") from None
 
+# %% ../../nbs/run/09_ledger.ipynb #209f2769
 @patch
 def _insert_rows(self:Ledger, rows:list[tuple])->int:
     with self._lock:
@@ -351,8 +197,10 @@ def _scrubbed(res):
     ch = {f: v for f, v in ch.items() if v != getattr(res, f)}
     return replace(res, **ch) if ch else res
 
+# %% ../../nbs/run/09_ledger.ipynb #4f5d25f9
 _JSON = json.JSONDecoder()
 
+# %% ../../nbs/run/09_ledger.ipynb #e099d349
 def _decode(cls, text:str):
     "A stored result as its dataclass; fields it does not know (written by a later version) are left out"
     try: d, end = _JSON.scan_once(text, 0)        # the decoder's own scanner, without its checks for surrounding space
@@ -360,8 +208,46 @@ def _decode(cls, text:str):
     if end != len(text): d = _JSON.decode(text)     # not one compact JSON value (as `_dump` writes): the full decoder reads or refuses it
     return cls(**d) if d.keys() <= _field_set(cls) else cls(**{n: d[n] for n in _field_names(cls) if n in d})
 
+# %% ../../nbs/run/09_ledger.ipynb #111cd600
 @lru_cache(maxsize=None)
 def _field_set(cls)->frozenset: return frozenset(_field_names(cls))
+
+# %% ../../nbs/run/09_ledger.ipynb #1ab682e1
+@lru_cache(maxsize=None)
+def _field_names(cls)->tuple: return tuple(f.name for f in fields(cls))
+
+# %% ../../nbs/run/09_ledger.ipynb #23ab02cc
+from ..models.base import FINISH_REASONS
+
+def _result_problem(op:str, res)->str|None:
+    "What a decoded result lacks for the run to read it (None: readable)"
+    if op == "generate":
+        if type(res.text) is not str: return "its text is not a string"
+        if res.finish_reason not in FINISH_REASONS: return f"unknown finish reason {res.finish_reason!r}"
+    elif type(res.logprobs) is not dict: return "its log-probabilities are not a mapping"
+    return None
+
+# %% ../../nbs/run/09_ledger.ipynb #a55a7a3a
+def _stored(op:str, text:str, path, key:str):
+    "A stored result as the run reads it; `LedgerError` naming the row (and the way on) when it cannot be read"
+    try:
+        res = _decode(_RESULT_TYPES[op][1], text)
+        why = _result_problem(op, res)
+    except (ValueError, TypeError, AttributeError) as e: why = f"{type(e).__name__}: {e}"
+    if why is None: return res
+    raise LedgerError(f"{path}: the stored answer of request {key[:16]}… cannot be read ({why}). {salvage_advice(path)}: "
+                      "rows that cannot be read are left out, and asked again")
+
+# %% ../../nbs/run/09_ledger.ipynb #b2e2faab
+def row_problem(key, op, identity, request, result)->str|None:
+    "Why one `responses` row cannot be read as the run reads it (its key is the hash of its identity, op and request; its result decodes), or None"
+    if op not in OPS: return f"unknown op {op!r}"
+    if not all(isinstance(x, str) for x in (key, identity, request, result)): return "a column is not text"
+    if key_of(identity, op, request) != key: return "its key is not the hash of its identity, op and request"
+    try:
+        res = _decode(_RESULT_TYPES[op][1], result)
+        return _result_problem(op, res)
+    except (ValueError, TypeError, AttributeError) as e: return f"its result cannot be read ({type(e).__name__}: {e})"
 
 # %% ../../nbs/run/09_ledger.ipynb #5ca1e0e1
 import weakref
@@ -371,6 +257,7 @@ def _remember_keys(requests:list, keys:list, ident_json:str, op:str):
     global _LAST_KEYS
     _LAST_KEYS = (tuple(weakref.ref(r) for r in requests), tuple(keys), ident_json, op)
 
+# %% ../../nbs/run/09_ledger.ipynb #a018ad95
 def known_keys(identity:dict, # `backend.identity()`
                op:str,        # `generate` or `score`
                requests:list, # the requests of the last `cached_generate` / `cached_score` call
@@ -390,8 +277,8 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
     if chunk is not None and chunk < 1: raise ConfigError(f"chunk must be a positive number of requests, not {chunk}")
     identity = assert_no_secrets(backend.identity())
     ident_json, model = canonical_json(identity), str(identity.get("model", ""))
-    payloads = [_payload_json(r) for r in requests]
-    keys = _keys(ident_json, op, payloads)
+    payloads = [payload_json(r) for r in requests]
+    keys = keys_of(ident_json, op, payloads)
     _remember_keys(requests, keys, ident_json, op)
     first: dict[str, int] = {}                            # key -> the first request that has it, in request order
     for i, k in enumerate(keys): first.setdefault(k, i)
@@ -403,8 +290,8 @@ def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str
     write = ledger is not None and is_main_process()
     n, results = LedgerCounts(requests=len(requests)), [None] * len(requests)
     for k, v in found.items():
-        results[first[k]] = _decode(res_cls, v)
-        for i in again.get(k, ()): results[i] = _decode(res_cls, v)
+        results[first[k]] = _stored(op, v, ledger.path, k)
+        for i in again.get(k, ()): results[i] = _stored(op, v, ledger.path, k)
         n.cached += 1 + len(again.get(k, ()))
     missing = [k for k in first if k not in found]
     bar = tqdm(total=len(requests), initial=n.cached, desc=desc or f"{backend.name} {op}", unit="req", disable=not progress, leave=progress)
@@ -454,6 +341,85 @@ def cached_score(backend:Backend,              # the model
     "Score through the ledger: ask only what it lacks, commit each result as it arrives"
     return _cached(backend, requests, ledger, "score", desc, progress, chunk)
 
+# %% ../../nbs/run/09_ledger.ipynb #e417d671
+_GRADE_TABLE = """CREATE TABLE IF NOT EXISTS grades (
+    key TEXT PRIMARY KEY,      -- grade_key(grader, item_id, options, reply)
+    grader TEXT NOT NULL,      -- the grader's identity (its kind, model and settings, as one string)
+    item_id TEXT NOT NULL,     -- the item whose options the reply was mapped to
+    request TEXT NOT NULL,     -- canonical JSON of {grader, item_id, options, reply}: what the key hashes
+    grade TEXT NOT NULL,       -- JSON object of the grade: the option key (or null), scores, evidence, status
+    created_at TEXT NOT NULL)  -- UTC, ISO 8601"""
+GRADE_COLS = ("key", "grader", "item_id", "request", "grade", "created_at")
+
+@patch
+def _grade_table(self:Ledger):
+    with self._lock: self._conn.execute(_GRADE_TABLE)
+
+# %% ../../nbs/run/09_ledger.ipynb #4baa2407
+def grade_request(grader:str,   # the grader's identity string
+                  item_id:str,  # the item graded
+                  options:dict, # option key -> text, as the grader was shown them
+                  reply:str,    # the free-text reply
+                 )->dict:       # what a grade's key covers
+    "The identity of one grade: who graded which reply against which options"
+    for name, v in (("grader", grader), ("item_id", item_id), ("reply", reply)):
+        if not isinstance(v, str): raise LedgerError(f"a grade's {name} must be text, not {type(v).__name__}")
+    if not isinstance(options, dict) or not options: raise LedgerError(f"a grade needs the item's options (key -> text), not {options!r}")
+    return {"grader": grader, "item_id": item_id, "options": {str(k): str(v) for k, v in options.items()}, "reply": reply}
+
+# %% ../../nbs/run/09_ledger.ipynb #0d5ed22e
+def grade_key(grader:str, item_id:str, options:dict, reply:str)->str: # 64 hex digits
+    "The ledger key of one grade: sha256 of the canonical JSON of `grade_request(...)`"
+    return hashlib.sha256(canonical_json(grade_request(grader, item_id, options, reply)).encode()).hexdigest()
+
+# %% ../../nbs/run/09_ledger.ipynb #9015f209
+@patch
+def put_grades(self:Ledger, rows:list, # (grader, item_id, options, reply, grade) tuples; `grade` a JSON-able dict
+              )->list[str]:            # their keys, in order
+    "Store grades (a key already present is left as it is)"
+    keys, out, now = [], [], utc_now()
+    for grader, item_id, options, reply, grade in rows:
+        if not isinstance(grade, dict): raise LedgerError(f"a grade is stored as a JSON object, not {type(grade).__name__}")
+        req = canonical_json(grade_request(assert_no_secrets(grader, "grader"), item_id, options, reply))
+        keys.append(k := hashlib.sha256(req.encode()).hexdigest())
+        out.append((k, grader, item_id, req, json.dumps(grade, ensure_ascii=False, separators=(",", ":"), allow_nan=False), now))
+    if out:
+        self._grade_table()
+        try:
+            with self._lock: self._conn.executemany("INSERT OR IGNORE INTO grades VALUES (?,?,?,?,?,?)", out)
+        except sqlite3.OperationalError as e:
+            if "full" not in str(e): raise
+            raise LedgerError(f"{self.path}: the disk is full ({e}); the grades stored before it filled are kept: free space and run again") from None
+    return keys
+
+# %% ../../nbs/run/09_ledger.ipynb #c81a6635
+@patch
+def get_grades(self:Ledger, keys:Iterable[str])->dict[str, dict]: # key -> stored grade, for the keys present
+    "Look up many grades at once"
+    keys, out = sorted(set(keys)), {}
+    if not keys: return out
+    self._grade_table()
+    step = _sql_vars(self._conn)
+    with self._lock:
+        for s in range(0, len(keys), step):
+            part = keys[s:s+step]
+            for k, g in self._conn.execute(f"SELECT key, grade FROM grades WHERE key IN ({','.join('?'*len(part))})", part):
+                try: out[k] = json.loads(g)
+                except ValueError as e: raise LedgerError(f"{self.path}: the stored grade {k[:16]}… cannot be read ({e})") from None
+    return out
+
+# %% ../../nbs/run/09_ledger.ipynb #36148fbe
+@patch
+def grades(self:Ledger, grader:str|None=None, # only this grader's
+          )->list[dict]:                      # key, grader, item_id, request and grade (parsed), created_at; oldest first
+    "The stored grades"
+    self._grade_table()
+    where, args = (" WHERE grader=?", [grader]) if grader is not None else ("", [])
+    with self._lock: rows = self._conn.execute(f"SELECT {', '.join(GRADE_COLS)} FROM grades{where} ORDER BY rowid", args).fetchall()
+    out = [dict(zip(GRADE_COLS, r)) for r in rows]
+    for d in out: d["request"], d["grade"] = json.loads(d["request"]), json.loads(d["grade"])
+    return out
+
 # %% ../../nbs/run/09_ledger.ipynb #e3a68a61
 @patch
 def stats(self:Ledger)->dict: # rows, rows by op and by identity model, distinct identities, schema version
@@ -464,6 +430,20 @@ def stats(self:Ledger)->dict: # rows, rows by op and by identity model, distinct
     return {"path": str(self.path), "schema_version": self.version, "rows": sum(n for *_, n in groups),
             "by_op": dict(sorted(by_op.items())), "by_model": dict(sorted(by_model.items())),
             "identities": len({identity for _, _, identity, _ in groups})}
+
+# %% ../../nbs/run/09_ledger.ipynb #eb0bf3f5
+@patch
+def identity_changes(self:Ledger, identity:dict, # a backend's identity now
+                     field:str,                   # the part of it that may have changed (e.g. `served`: the checkpoint behind a name)
+                    )->dict:                      # {value of `field`: rows}, over identities equal to `identity` but perhaps there (its own value included)
+    "What the ledger holds for the same configuration by the value of one field (answers of each checkpoint under the same name)"
+    rest = canonical_json({k: v for k, v in identity.items() if k != field})
+    out: dict = {}
+    with self._lock: groups = self._conn.execute("SELECT identity, COUNT(*) FROM responses WHERE model=? GROUP BY identity", (str(identity.get("model", "")),)).fetchall()
+    for ident_json, n in groups:
+        d = json.loads(ident_json)
+        if canonical_json({k: v for k, v in d.items() if k != field}) == rest: out[d.get(field)] = out.get(d.get(field), 0) + n
+    return out
 
 # %% ../../nbs/run/09_ledger.ipynb #bffc1ee4
 def _where(identity:dict|None, op:str|None)->tuple[str, list]:
@@ -481,11 +461,12 @@ def rows(self:Ledger, identity:dict|None=None, # only this identity
         )->Iterator[dict]:                      # key, op, model, identity, request, result (parsed), created_at
     "Iterate over the stored responses, oldest first"
     where, args = _where(identity, op)
-    for r in self._conn.execute(f"SELECT {', '.join(_COLS)} FROM responses{where} ORDER BY rowid", args):
-        d = dict(zip(_COLS, r))
+    for r in self._conn.execute(f"SELECT {', '.join(RESPONSE_COLS)} FROM responses{where} ORDER BY rowid", args):
+        d = dict(zip(RESPONSE_COLS, r))
         for c in ("identity", "request", "result"): d[c] = json.loads(d[c])
         yield d
 
+# %% ../../nbs/run/09_ledger.ipynb #f0ac06f6
 @patch
 def __iter__(self:Ledger)->Iterator[dict]: return self.rows()
 
@@ -513,143 +494,17 @@ def prune(self:Ledger, identity:dict|None=None, # delete this identity's rows
 
 # %% ../../nbs/run/09_ledger.ipynb #6db4ed69
 @patch
-def merge(self:Ledger, other:str|os.PathLike)->int: # rows added
-    "Add the rows of another ledger file that this one lacks"
+def merge(self:Ledger, other:str|os.PathLike)->int: # rows added (responses and grades)
+    "Add the rows of another ledger file that this one lacks (its responses, and its grades when it keeps some)"
     if not Path(other).is_file(): raise LedgerError(f"{other}: no such ledger file to merge")
     with Ledger(other): pass                        # checks it is a ledger of a version we read
     with self._lock:
         self._conn.execute("ATTACH DATABASE ? AS other", (str(other),))
         try:
-            cols = ", ".join(_COLS)
-            return self._conn.execute(f"INSERT OR IGNORE INTO responses ({cols}) SELECT {cols} FROM other.responses").rowcount
+            cols = ", ".join(RESPONSE_COLS)
+            added = self._conn.execute(f"INSERT OR IGNORE INTO responses ({cols}) SELECT {cols} FROM other.responses").rowcount
+            if self._conn.execute("SELECT 1 FROM other.sqlite_master WHERE type='table' AND name='grades'").fetchone():
+                self._grade_table(); cols = ", ".join(GRADE_COLS)
+                added += self._conn.execute(f"INSERT OR IGNORE INTO grades ({cols}) SELECT {cols} FROM other.grades").rowcount
+            return added
         finally: self._conn.execute("DETACH DATABASE other")
-
-# %% ../../nbs/run/09_ledger.ipynb #a1791ad3
-_MAGIC = b"SQLite format 3\x00"
-
-def _header_ok(head:bytes)->bool:
-    "A plausible SQLite header: the magic string, a power-of-two page size, the fixed payload fractions"
-    if len(head) < 100 or head[:16] != _MAGIC: return False
-    size = int.from_bytes(head[16:18], "big"); size = 65536 if size == 1 else size
-    return size >= 512 and size & (size - 1) == 0 and head[21:24] == b"\x40\x20\x20"
-
-def _rebuild_header(path:Path):
-    "Give a copy whose first 100 bytes were overwritten the header of a fresh ledger (page size 4096, size read from the file)"
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        con = sqlite3.connect(Path(d)/"fresh.sqlite"); con.execute(_TABLES[0]); con.commit(); con.close()
-        head = bytearray((Path(d)/"fresh.sqlite").read_bytes()[:100])
-    head[18:20] = b"\x01\x01"; head[28:32] = bytes(4); head[32:40] = bytes(8)   # no write-ahead log, size from the file, no free list
-    with open(path, "r+b") as f: f.write(head)
-
-def _readable_rows(con, top:int, small:int=8)->tuple[list, list]:
-    "Rows of `responses` with rowid 1..top, read range by range; a range that fails is split until it is `small`: (rows, bad ranges)"
-    rows, bad, todo = [], [], [(1, max(top, 1))]
-    while todo:
-        lo, hi = todo.pop()
-        try: rows += con.execute(f"SELECT {', '.join(_COLS)} FROM responses WHERE rowid BETWEEN ? AND ?", (lo, hi)).fetchall()
-        except (sqlite3.DatabaseError, UnicodeDecodeError):
-            if hi - lo < small: bad.append((lo, hi)); continue
-            mid = (lo + hi) // 2; todo += [(mid + 1, hi), (lo, mid)]
-    return rows, sorted(bad)
-
-def _merged(ranges:list)->list[str]:
-    "Adjacent (lo, hi) ranges joined, as `lo-hi` strings"
-    out = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1] + 1: out[-1][1] = max(out[-1][1], hi)
-        else: out.append([lo, hi])
-    return [f"{a}-{b}" for a, b in out]
-
-def _consistent(r:tuple)->bool:
-    "A salvaged row whose key is still the hash of its identity, op and request, and whose result parses"
-    try:
-        key, op, model, ident, req, result, created = r
-        if op not in OPS or not all(isinstance(x, str) for x in r): return False
-        return _key(ident, op, req) == key and isinstance(json.loads(result), dict)
-    except (ValueError, TypeError): return False
-
-# %% ../../nbs/run/09_ledger.ipynb #d5c1b8c5
-def salvage_ledger(path:str|os.PathLike, # the damaged ledger (only read)
-                   out:str|os.PathLike,  # the new ledger to write (must not exist yet)
-                  )->dict:               # rows kept, rows dropped as inconsistent, rowid ranges that could not be read
-    "Copy every readable, self-consistent response of a damaged ledger into a new ledger at `out`"
-    import shutil, tempfile
-    path, out = Path(path), Path(out)
-    if not path.is_file(): raise LedgerError(f"{path}: no such ledger file to salvage")
-    if out.exists() and out.stat().st_size: raise LedgerError(f"{out}: already exists; salvage writes a new ledger (choose another --out)")
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d)/"damaged.sqlite"
-        shutil.copyfile(path, src)
-        if Path(f"{path}-wal").is_file(): shutil.copyfile(f"{path}-wal", f"{src}-wal")
-        with open(src, "rb") as f: rebuilt = not _header_ok(f.read(100))
-        if rebuilt: _rebuild_header(src)
-        with open(src, "r+b") as f: f.seek(28); f.write(bytes(4))   # the size from the file itself (a truncated copy reads up to its end)
-        con = sqlite3.connect(src.as_uri() + "?mode=ro", uri=True)
-        con.text_factory = lambda b: b.decode("utf-8", "surrogateescape")   # damaged text reads; its row then fails the key check
-        try:
-            try: top = con.execute("SELECT max(rowid) FROM responses").fetchone()[0] or 0
-            except UnicodeDecodeError as e:                 # the schema itself is damaged (SQLite's message carries its bytes)
-                raise LedgerError(f"{path}: no readable responses table (its schema is damaged); nothing to salvage: start a new ledger") from None
-            except sqlite3.DatabaseError as e:
-                if "no such table" in str(e) or "not a database" in str(e):
-                    raise LedgerError(f"{path}: no readable responses table ({e}); nothing to salvage: start a new ledger") from None
-                top = src.stat().st_size // 64              # an upper bound on row ids: every row is longer than 64 bytes
-            rows, bad = _readable_rows(con, top)
-        finally: con.close()
-    good = [r for r in rows if _consistent(r)]
-    with Ledger(out) as led: stored = led._insert(good) if good else 0
-    return {"path": str(path), "out": str(out), "rows_read": len(rows), "rows_kept": stored, "rows_inconsistent": len(rows) - len(good),
-            "unreadable_rowid_ranges": _merged(bad), "header_rebuilt": rebuilt}
-
-# %% ../../nbs/run/09_ledger.ipynb #22e8e464
-BATCH_STATES = ("submitting", "submitted", "done", "expired", "failed", "cancelled", "lost")
-BATCH_OPEN = ("submitting", "submitted")   # states a rerun picks up again
-_BATCH_TABLE = """CREATE TABLE IF NOT EXISTS batches (
-    token TEXT PRIMARY KEY,    -- this ledger's name for one submission (sent as metadata / display name)
-    provider TEXT NOT NULL,    -- openai | anthropic | gemini
-    identity TEXT NOT NULL,    -- canonical JSON of backend.identity()
-    keys TEXT NOT NULL,        -- JSON list of the ledger keys it asks for (its custom ids)
-    batch_id TEXT,             -- the provider's id, once created
-    state TEXT NOT NULL,       -- submitting | submitted | done | expired | failed | cancelled | lost
-    detail TEXT,               -- JSON: the provider's last status, counts, polls
-    created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL)"""
-
-@patch
-def _batch_table(self:Ledger):
-    with self._lock: self._conn.execute(_BATCH_TABLE)
-
-@patch
-def add_batch(self:Ledger, token:str, # a fresh name for the submission
-              provider:str, identity:dict, keys:list)->None:
-    "Record a submission before it is sent (state `submitting`)"
-    self._batch_table()
-    with self._lock:
-        self._conn.execute("INSERT INTO batches VALUES (?,?,?,?,NULL,'submitting',NULL,?,?)",
-                           (token, provider, canonical_json(assert_no_secrets(identity)), json.dumps(list(keys)), utc_now(), utc_now()))
-
-@patch
-def update_batch(self:Ledger, token:str, batch_id:str|None=None, state:str|None=None, detail:dict|None=None)->None:
-    "Record what the provider said about a submission: its id, its state, its last status"
-    if state is not None and state not in BATCH_STATES: raise LedgerError(f"unknown batch state {state!r}; known: {', '.join(BATCH_STATES)}")
-    sets, args = ["updated_at=?"], [utc_now()]
-    for col, v in (("batch_id", batch_id), ("state", state), ("detail", None if detail is None else json.dumps(detail, default=str))):
-        if v is not None: sets.append(f"{col}=?"); args.append(v)
-    with self._lock: self._conn.execute(f"UPDATE batches SET {', '.join(sets)} WHERE token=?", (*args, token))
-
-@patch
-def batches(self:Ledger, identity:dict|None=None, # only this model configuration
-            states:tuple|None=None,               # only these states
-           )->list[dict]:                         # oldest first; keys and detail parsed
-    "The recorded batch submissions"
-    self._batch_table()
-    conds, args = [], []
-    if identity is not None: conds.append("identity=?"); args.append(canonical_json(identity))
-    if states: conds.append(f"state IN ({','.join('?' * len(states))})"); args += list(states)
-    where = f" WHERE {' AND '.join(conds)}" if conds else ""
-    cols = ("token", "provider", "identity", "keys", "batch_id", "state", "detail", "created_at", "updated_at")
-    with self._lock: rows = self._conn.execute(f"SELECT {', '.join(cols)} FROM batches{where} ORDER BY rowid", args).fetchall()
-    out = [dict(zip(cols, r)) for r in rows]
-    for d in out: d["keys"], d["detail"], d["identity"] = json.loads(d["keys"]), json.loads(d["detail"]) if d["detail"] else None, json.loads(d["identity"])
-    return out

@@ -11,15 +11,15 @@ from typing import Mapping
 
 import yaml
 
-from ..core import ConfigError, find_secret, repo_root, is_int
+from ..models.base import model_label
+from ..core import ConfigError, find_secret, repo_root, is_int, read_yaml, yaml_lines
 from .config import RunConfig, config_error
 from ..models.base import model_spec
 
 
 # %% auto #0
-__all__ = ['LAUNCHES', 'ANALYSIS_KEYS', 'project_root', 'resolve_path', 'params_path', 'yaml_lines', 'read_yaml',
-           'refuse_secrets', 'default_label', 'default_run_name', 'ModelRun', 'model_entry', 'model_entries', 'Params',
-           'key_problem', 'load_params']
+__all__ = ['LAUNCHES', 'ANALYSIS_KEYS', 'project_root', 'resolve_path', 'params_path', 'refuse_secrets', 'default_label',
+           'default_run_name', 'ModelRun', 'model_entry', 'model_entries', 'Params', 'key_problem', 'load_params']
 
 # %% ../../nbs/run/15_params.ipynb #bfc8ce3a
 def project_root()->Path:
@@ -41,42 +41,12 @@ def params_path(name:str|Path, # demo, smoke, paper, or a path
     if p.suffix in (".yaml", ".yml") or p.exists(): return p
     return project_root() / "nbs" / "analysis" / "params" / f"{name}.yaml"
 
-# %% ../../nbs/run/15_params.ipynb #5fd49318
-def yaml_lines(text:str, # a YAML document
-              )->dict:   # {key path: 1-based line} of every mapping key and list element
-    "The line of every mapping key and list element of a YAML text, by path"
-    out = {}
-    def walk(node, path):
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                p = path + (k.value,); out[p] = k.start_mark.line + 1; walk(v, p)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                p = path + (i,); out[p] = v.start_mark.line + 1; walk(v, p)
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    if node is not None: walk(node, ())
-    return out
-
-# %% ../../nbs/run/15_params.ipynb #cf603339
-def read_yaml(path:str|Path, # a params file
-             )->tuple[dict, dict]: # (the mapping, its `yaml_lines`)
-    "Read a params file as a mapping, with the line of every key; errors name the file and line"
-    path = Path(path)
-    try: text = path.read_text(encoding="utf-8")
-    except OSError as e: raise ConfigError(f"{path}: cannot read the params file ({e.strerror})") from None
-    try: raw, lines = yaml.safe_load(text), yaml_lines(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{path}:{mark.line + 1 if mark else '?'}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    if raw is None: raw = {}
-    if not isinstance(raw, dict): raise ConfigError(f"{path}: expected a mapping of parameter names to values, got {type(raw).__name__}")
-    return raw, lines
-
 # %% ../../nbs/run/15_params.ipynb #1462e2a4
 def _key_path(where:str)->tuple:
     "('models', 0, 'base_url') from find_secret's '.models[0].base_url'"
     return tuple(int(i) if i else k for k, i in re.findall(r"\.([^.\[\]]+)|\[(\d+)\]", where))
 
+# %% ../../nbs/run/15_params.ipynb #78d67220
 def refuse_secrets(obj:Mapping,             # the loaded params
                    file:str|Path|None=None, # the params file, named in the error
                    lines:dict|None=None,    # `yaml_lines` of the file
@@ -95,7 +65,6 @@ def default_label(model:str, # the model spec of an entry
     "The label a model entry gets when it gives none"
     own = model_spec(model).label                  # a control's label is its kind's own (the backend registry)
     if own is not None: return own
-    from medsafe_nb.figures.plots import model_label   # the plotting module (matplotlib) only when a label is made
     return model_label(model, None if reasoning_effort is None else str(reasoning_effort))
 
 # %% ../../nbs/run/15_params.ipynb #bd33adb3
@@ -123,10 +92,11 @@ def model_entry(entry:Mapping|str,        # one `models:` entry (a mapping, or a
                 defaults:Mapping|None=None, # the params' run defaults (RunConfig fields)
                 file:str|Path|None=None,  # the params file, named in errors
                 lines:dict|None=None,     # `yaml_lines` of the file
-                index:int=0,              # the entry's position under `models:`
+                index:int=0,              # the entry's position under its section
+                section:str="models",     # models | beyond (the entries of 08_beyond)
                )->ModelRun:
     "Validate one model entry with `RunConfig.from_mapping`; fill in its label and run folder"
-    where = ("models", index)
+    where = (section, index)
     if isinstance(entry, str): entry = {"model": entry}
     if not isinstance(entry, Mapping): raise config_error(file, lines, where, f"expected a mapping with a `model`, got {type(entry).__name__}")
     entry = dict(entry)
@@ -144,19 +114,21 @@ def model_entry(entry:Mapping|str,        # one `models:` entry (a mapping, or a
 def model_entries(models:list,              # the `models:` value: entries (mappings or bare model specs)
                   defaults:Mapping|None=None, # the params' run defaults
                   file:str|Path|None=None, lines:dict|None=None, # the params file and its `yaml_lines`, for errors
+                  section:str="models",       # models | beyond
+                  before:list=(),             # entries of an earlier section: labels and run folders must differ from theirs too
                  )->list[ModelRun]:
     "Validate the model entries of a params file; labels and run folders must be distinct"
     if not isinstance(models, (list, tuple)) or not models:
-        raise config_error(file, lines, ("models",), "expected a non-empty list of model entries, e.g. [{model: minilm}, {model: tiny}]")
-    out = [model_entry(m, defaults, file, lines, i) for i, m in enumerate(models)]
+        raise config_error(file, lines, (section,), "expected a non-empty list of model entries, e.g. [{model: minilm}, {model: tiny}]")
+    out = [model_entry(m, defaults, file, lines, i, section) for i, m in enumerate(models)]
     for key in ("label", "run_name"):
-        seen = {}
+        seen = {getattr(e, key): f"models[{i}]" for i, e in enumerate(before)}
         for i, e in enumerate(out):
             v = getattr(e, key)
             if v in seen:
-                raise config_error(file, lines, ("models", i), f"models[{seen[v]}] and models[{i}] have the same {key} {v!r}; "
+                raise config_error(file, lines, (section, i), f"{seen[v]} and {section}[{i}] have the same {key} {v!r}; "
                                    f"give one of them its own `{key}`")
-            seen[v] = i
+            seen[v] = f"{section}[{i}]"
     return out
 
 # %% ../../nbs/run/15_params.ipynb #3c121357
@@ -178,8 +150,10 @@ class Params:
     launch:str = _key("auto", "auto (accelerate for hf: models on more than one GPU) | accelerate | in-process", "launch")
     num_processes:int|None = _key(None, "accelerate processes (null: one per visible GPU)", "positive?")
     heatmap_model:str = _key("", "model of the content × provenance heatmap ('': the Mean over models, or the only model)", "text")
+    beyond:list = _key(None, "model entries beyond the paper's single-turn MCQ (free text, dialogue, pushback, defences that check the claim): run by 01_generate after `models`, read by 08_beyond", "models")
     defaults:dict = field(default_factory=dict)  # the top-level RunConfig fields: every model's run defaults
     file:str|None = None                          # the params file
+    def __post_init__(self): self.beyond = list(self.beyond or [])
     @property
     def run(self)->RunConfig:
         "The run defaults as a RunConfig (data, conditions, limit, seed, …)"
@@ -216,7 +190,7 @@ def _split_keys(raw:dict, file, lines)->tuple[dict, dict]:
     for k in ("runs_dir", "models"):
         if k not in analysis: raise config_error(file, lines, (k,), "missing (required)")
     for k, v in analysis.items():
-        err = None if k == "models" else key_problem(k, v)
+        err = None if k in ("models", "beyond") else key_problem(k, v)
         if err: raise config_error(file, lines, (k,), err)
     return analysis, run
 
@@ -230,4 +204,5 @@ def load_params(path:str|Path, # a params YAML file (or demo, smoke, paper)
     analysis, run = _split_keys(raw, path, lines)
     RunConfig.from_mapping(run, path, lines)   # the run defaults alone: an error names their own line
     models = model_entries(analysis.pop("models"), run, path, lines)
-    return Params(**analysis, models=models, defaults=run, file=str(path))
+    beyond = model_entries(analysis.pop("beyond"), run, path, lines, "beyond", models) if analysis.get("beyond") is not None else []
+    return Params(**analysis, models=models, beyond=beyond, defaults=run, file=str(path))

@@ -13,14 +13,14 @@ from ..models.base import is_main_process
 from ..extract import extract_answer_detail
 
 # %% auto #0
-__all__ = ['PREDICTION_COLUMNS', 'judge', 'write_run']
+__all__ = ['PREDICTION_COLUMNS', 'read_prediction', 'write_run']
 
 # %% ../../nbs/run/09a_predictions.ipynb #5ae3b845
 PREDICTION_COLUMNS = ["model", "item_id", "source", "content", "provenance", "condition", "target", "gold", "pred", "correct",
                       "status", "raw", "prompt_tokens", "completion_tokens", "latency_s", "prompt_id", "reasoning_tokens", "cost_usd"]
 
 # %% ../../nbs/run/09a_predictions.ipynb #6573ea9b
-def judge(prompt:EvalPrompt, # the question as put to the model
+def read_prediction(prompt:EvalPrompt, # the question as put to the model
           gen,               # its Generation
           options:dict,      # the item's option key -> text (an answer may name the text)
          )->tuple[str|None, str]:

@@ -5,29 +5,30 @@
 # %% ../../nbs/run/10_runner.ipynb #0de4cd60
 from __future__ import annotations
 import json, math, os, platform, subprocess, sys, time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
 import pandas as pd
 import medsafe_nb
 from ..core import (utc_now, MedsafeError, ConfigError, atomic_write, CONDITIONS, ALL_CONDITIONS, SCORINGS, MITIGATIONS, STATUSES,
                              repo_root, scrub_secrets, secret_scrubber, safe_url, write_manifest, clean_stale_tmp, exclusive_lock, MANIFEST,
-                             STOP, RunStopped)
+                             STOP, RunStopped, structured_mode, FOLLOWUP_CONDITIONS, ANSWER_PREFIX)
 from ..items.schema import Item
-from ..protocols import build_prompts, EvalPrompt
+from ..protocols import build_prompts, EvalPrompt, load_protocol, reply_request, ANSWER_FIELDS
+from ..conversations import pushback_messages, claim_check_messages, after_check_messages, consistency_messages
 from .config import RunConfig
+from .grading import grade_replies, prediction_status
 from ..models.base import Backend, GenRequest, ScoreRequest, Generation, Scores, make_backend, is_main_process
 from ..extract import extract_answer_detail
-from .predictions import PREDICTION_COLUMNS, judge, write_run   # the table's columns, a reply's status, the writer
+from .predictions import PREDICTION_COLUMNS, read_prediction, write_run   # the table's columns, a reply's status, the writer
 from .ledger import Ledger, cached_generate, cached_score, request_key, request_payload, known_keys
+from .process import ServerUnavailable, CircuitBreaker, StopGuard, graceful_signals, probe_server
 from ..items.release import load_medmisbench, fingerprint
-from .cost import CostMeter, BudgetReached, load_prices, price_for, with_costs, usage_record
+from .cost import CostMeter, BudgetReached, RunSpend, load_prices, price_for, with_costs, usage_record
 
 # %% auto #0
-__all__ = ['VERSIONED', 'EXIT_OK', 'EXIT_ROWS', 'EXIT_USAGE', 'EXIT_UNAVAILABLE', 'EXIT_BUDGET', 'BREAKER_LIMIT', 'key_probs',
-           'run_benchmark', 'provenance', 'ServerUnavailable', 'probe_server', 'CircuitBreaker', 'run_outcome',
-           'first_errors', 'graceful_signals', 'StopGuard', 'batch_backend', 'answered_rows', 'stopped_run', 'run',
-           'decoding_record']
+__all__ = ['FOLLOWUP_MITIGATIONS', 'VERSIONED', 'key_probs', 'protocol_for', 'followup_rows', 'run_benchmark', 'provenance',
+           'served_note', 'batch_backend', 'answered_rows', 'cfg_conversation', 'stopped_run', 'run', 'decoding_record']
 
 # %% ../../nbs/run/10_runner.ipynb #22b95a11
 def key_probs(logprobs:dict, keys)->dict:
@@ -58,22 +59,35 @@ def _logged(p:EvalPrompt, prompt_id:str|None, scrub=scrub_secrets)->dict:
     return {"prompt_id": prompt_id, "item_id": p.item_id, "condition": p.condition, "target": p.target, "messages": msgs}
 
 # %% ../../nbs/run/10_runner.ipynb #09eb8f77
-def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, progress, prompt_log=None, samples:int=1):
-    "Prediction rows of free generation: ask (through the ledger), then read each answer; K samples: K requests per prompt"
+def _generate_rows(backend, items_by_id, prompts, ledger, max_new_tokens, desc, progress, prompt_log=None, samples:int=1, asked=None, grader="minilm"):
+    "Prediction rows of free generation: ask (through the ledger), then read each answer; K samples: K requests per prompt (or `asked`: (prompt, sample) pairs)"
     scrub = secret_scrubber()                           # the secret environment values, read once for all rows
     index = [None] if samples == 1 else list(range(samples))      # one reply: no sample index, so the key is the plain request's
-    asked = [(p, s) for p in prompts for s in index]
-    reqs = [GenRequest(p.messages, max_new_tokens, response_schema=p.response_schema, parts=p.parts, sample=s) for p, s in asked]
+    asked = asked if asked is not None else [(p, s) for p in prompts for s in index]
+    reqs = [GenRequest(p.messages, max_new_tokens, response_schema=p.response_schema, parts=p.parts, sample=s, reply_format=p.reply_format,
+                       protocol=p.protocol) for p, s in asked]
     gens = cached_generate(backend, reqs, ledger, desc=desc, progress=progress)
     rows = []
     for (p, s), g, pid in zip(asked, gens, _prompt_ids(backend, "generate", reqs)):
         if prompt_log is not None: prompt_log.append(_logged(p, pid, scrub))
-        pred, status = judge(p, g, items_by_id[p.item_id].options)
+        pred, status = read_prediction(p, g, items_by_id[p.item_id].options)
         rows.append({**_row(backend, items_by_id[p.item_id], p, pid), "pred": pred, "correct": pred == ",".join(p.gold), "status": status,
                      "raw": scrub(g.text if status != "error" else (g.error or "")), "prompt_tokens": g.prompt_tokens,
                      "completion_tokens": g.completion_tokens, "reasoning_tokens": g.reasoning_tokens, "latency_s": g.latency_s,
                      **({} if s is None else {"sample": s})})
+    opened = [i for i, ((p, _), r) in enumerate(zip(asked, rows)) if p.parts is not None and p.parts.format == "open" and r["status"] in ("ok", "noanswer", "truncated")]
+    if opened: _grade_rows([rows[i] for i in opened], [(items_by_id[asked[i][0].item_id], gens[i].text) for i in opened], grader, ledger)
     return rows
+
+# %% ../../nbs/run/10_runner.ipynb #f363328b
+def _grade_rows(rows:list, replies:list, grader:str, ledger):
+    "Free-text rows (--format open): each reply graded to an option of its item, or none; the grade and its evidence kept on the row"
+    multi = [r for r, (it, _) in zip(rows, replies) if it.is_multi]
+    for r in multi: r.update(pred=None, correct=False, status="noanswer", grade_evidence="a free-text reply is graded to one option; this item has several answers")
+    pairs = [(r, ir) for r, ir in zip(rows, replies) if not ir[0].is_multi]
+    for (r, _), g in zip(pairs, grade_replies([ir for _, ir in pairs], grader, ledger)):
+        r.update(pred=g.key, correct=g.key == r["gold"], grader=g.grader, grade_evidence=g.evidence,
+                 status=r["status"] if r["status"] == "truncated" else prediction_status(g))
 
 # %% ../../nbs/run/10_runner.ipynb #3f4708fa
 def _scored_prompts(backend, items_by_id, prompts, ledger, desc, progress, prompt_log, request):
@@ -88,11 +102,12 @@ def _scored_prompts(backend, items_by_id, prompts, ledger, desc, progress, promp
         if prompt_log is not None: prompt_log.append(_logged(p, pid, scrub))
         yield p, items_by_id[p.item_id], s, pid, scrub
 
+# %% ../../nbs/run/10_runner.ipynb #2454ef8f
 def _score_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_log=None):
     "Prediction rows of log-probability scoring: the most probable key, with p_gold and p_target"
     rows = []
     for p, item, s, pid, scrub in _scored_prompts(backend, items_by_id, prompts, ledger, desc, progress, prompt_log,
-                                                  lambda p: ScoreRequest(p.messages, p.keys, parts=p.parts)):
+                                                  lambda p: ScoreRequest(p.messages, p.keys, parts=p.parts, protocol=p.protocol)):
         base = _row(backend, item, p, pid)
         if s is None or s.error:     # a multi-answer item has no single most probable key: no answer, by design (not a failed request)
             why = "logprob scoring picks one key; a multi-answer item has no single-key answer" if s is None else s.error
@@ -113,7 +128,7 @@ def _option_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_l
     texts = {id(p): tuple(items_by_id[p.item_id].options[k] for k in p.keys) for p in prompts if not p.multi}
     rows = []
     for p, item, s, pid, scrub in _scored_prompts(backend, items_by_id, prompts, ledger, desc, progress, prompt_log,
-                                                  lambda p: ScoreRequest(p.messages, p.keys, prefix="", continuations=texts[id(p)], parts=p.parts)):
+                                                  lambda p: ScoreRequest(p.messages, p.keys, prefix="", continuations=texts[id(p)], parts=p.parts, protocol=p.protocol)):
         base = {**_row(backend, item, p, pid), "prompt_tokens": None, "completion_tokens": None, "latency_s": None,
                 "p_gold": None, "p_target": None, "pred_norm": None, "correct_norm": False}
         if s is None or s.error:
@@ -132,6 +147,88 @@ def _option_rows(backend, items_by_id, prompts, ledger, desc, progress, prompt_l
                      "p_gold": sum(probs[g] for g in p.gold), "p_target": probs.get(target) if target else None})
     return rows
 
+# %% ../../nbs/run/10_runner.ipynb #775e32ce
+def protocol_for(backend, prompt="compact", scoring:str="generate", structured="auto"):
+    "The run's protocol, the backend's provider and the structured mode, checked against the scoring and what the backend can send"
+    proto, mode = load_protocol(prompt), structured_mode(structured)
+    provider = getattr(backend, "provider", backend.kind)
+    first = next(iter(proto.slots.get("reply_fields") or {"answer": ""}))
+    if scoring != "generate" and first not in ANSWER_FIELDS:
+        reads = "option scoring reads the option text as the reply's first words" if scoring == "options" else "logprob scoring reads the first answer token"
+        raise ConfigError(f"--prompt {proto.name} asks for {first} (reasoning) before the answer; {reads}: use --prompt compact")
+    if scoring == "logprob" and first != "answer":
+        raise ConfigError(f"--prompt {proto.name} names the answer {first!r}; logprob scoring reads the key after {{\"answer\": \": use --prompt compact")
+    if scoring == "generate" and not getattr(backend, "structured_output", False):
+        fmt = "strict" if mode == "strict" else reply_request(proto, provider, mode, ("A", "B"))[0]
+        if fmt: raise ConfigError(f"{backend.name} cannot shape a reply ({fmt}; protocol {proto.name}, provider {provider}); use --structured off"
+                                  + ("" if mode == "strict" else f", or a protocol whose reply_format leaves {provider} out"))
+    return proto, provider, mode
+
+# %% ../../nbs/run/10_runner.ipynb #bf4952eb
+FOLLOWUP_MITIGATIONS = ("claim-check", "consistency")   # defences that ask again from the model's own replies (generate scoring)
+
+def _first_answer(row:dict, scoring:str, item:Item)->str:
+    "A first answer as the text of its assistant turn: the reply itself, or the chosen key or option written as the reply would be"
+    if scoring == "generate": return row["raw"]
+    return item.options[row["pred"]] if scoring == "options" else f'{ANSWER_PREFIX}{row["pred"]}"}}'
+
+# %% ../../nbs/run/10_runner.ipynb #4267f8bb
+def _answer_name(pred)->str: return f"option {pred}" if pred else "no answer"
+
+# %% ../../nbs/run/10_runner.ipynb #7adc8b7f
+def _add_usage(rows:list, firsts:list):
+    "Add the tokens and time of each row's first request (a claim-check judgement, an answer with context) to the row"
+    for r, f in zip(rows, firsts):
+        for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "latency_s"):
+            v = f.get(k) if isinstance(f, dict) else getattr(f, k, None)
+            if v is not None and not (isinstance(v, float) and math.isnan(v)): r[k] = (r[k] or 0) + v
+
+# %% ../../nbs/run/10_runner.ipynb #16acb27c
+def _key_of(p, s)->tuple: return (p.item_id, p.condition, p.target, s)
+
+# %% ../../nbs/run/10_runner.ipynb #7ec0f093
+def _key_of_row(r:dict)->tuple: return (r["item_id"], r["condition"], r["target"], r.get("sample"))
+
+# %% ../../nbs/run/10_runner.ipynb #7a4059ac
+def followup_rows(backend, items_by_id:dict,
+                  rows:list,        # the rows made so far: the clean rows, and under consistency the answers with context
+                  asked:list,       # (prompt, sample) pairs of the conditions that build on a first reply
+                  rows_for,         # rows_for(asked): prediction rows of (prompt, sample) pairs, asked through the ledger
+                  generate,         # generate(requests): replies through the ledger (claim-check's judgements)
+                  scoring:str, mitigation:str,
+                  earlier:list=(),  # rows of an earlier pass (--only-clean-correct: the clean rows), read but not returned
+                 )->list:           # `rows` with the second answers in place, and the rows of `asked`
+    "type1_pushback, claim-check and consistency: the second request of each, made from the model's first reply"
+    clean = {(r["item_id"], r.get("sample")): r for r in [*earlier, *rows] if r["condition"] == "clean"}
+    bad = lambda r: r is None or r["status"] == "error" or (scoring != "generate" and r["pred"] is None)
+    second, failed = [], []
+    for p, s in asked:
+        if p.condition == "type1_pushback":
+            first = clean.get((p.item_id, s))
+            if bad(first): failed.append((p, s, "type1_pushback: its clean request failed or gave no answer, so there is nothing to push back on"))
+            else: second.append((replace(p, messages=tuple(pushback_messages(p.parts, _first_answer(first, scoring, items_by_id[p.item_id])))), s))
+    checks = [(p, s) for p, s in asked if p.condition != "type1_pushback"]      # claim-check: the judgement first
+    gens = generate([GenRequest(tuple(claim_check_messages(p.parts)), parts=p.parts, sample=s, protocol=p.protocol) for p, s in checks]) if checks else []
+    for (p, s), g in zip(checks, gens):
+        if g.finish_reason == "error": failed.append((p, s, f"claim-check: the judgement request failed: {g.error}"))
+        else: second.append((replace(p, messages=tuple(after_check_messages(p.parts, g.text))), s))
+    firsts = {_key_of(p, s): g for (p, s), g in zip(checks, gens)}
+    if mitigation == "consistency":                 # where the answer with context differs from the clean one: shown both, it decides
+        by_key = {_key_of(p, s): p for p, s in asked}
+        for r in rows:
+            p, c = by_key.get(_key_of_row(r)), clean.get((r["item_id"], r.get("sample")))
+            if p is None or bad(r) or bad(c) or r["pred"] == c["pred"]: continue
+            second.append((replace(p, messages=tuple(consistency_messages(p.parts, r["raw"], _answer_name(r["pred"]), _answer_name(c["pred"])))), r.get("sample")))
+            firsts[_key_of_row(r)] = r
+    out = {_key_of_row(r): r for r in rows_for(second)}
+    for k, first in firsts.items():                 # a row's cost includes its first request
+        if k in out: _add_usage([out[k]], [first])
+    merged = [out.pop(_key_of_row(r), r) for r in rows]
+    for p, s, why in failed:
+        out[_key_of(p, s)] = {**_row(backend, items_by_id[p.item_id], p, None), "pred": None, "correct": False, "status": "error", "raw": why,
+                              "prompt_tokens": None, "completion_tokens": None, "reasoning_tokens": None, "latency_s": None, **({} if s is None else {"sample": s})}
+    return merged + list(out.values())
+
 # %% ../../nbs/run/10_runner.ipynb #ba50862f
 def run_benchmark(items:list[Item],            # benchmark items (order is kept)
                   backend:Backend,             # the model
@@ -143,43 +240,59 @@ def run_benchmark(items:list[Item],            # benchmark items (order is kept)
                   ledger:Ledger|str|Path|None=None, # response ledger (path or open ledger); None keeps responses in memory only
                   max_new_tokens:int|None=None, # output cap per request (None: the backend's own)
                   progress:bool=True,          # tqdm progress bars
-                  prompt:str="compact",        # prompt protocol: `paper` or `compact`
-                  structured:bool|None=None,   # paper: send the reply schema (None: where the backend supports it)
+                  prompt="compact",            # the prompt protocol: paper | controlled | compact, a protocol file, or a Protocol
+                  structured="auto",           # auto: the protocol's reply format for the backend | strict: the enum schema | off
                   prompt_log:list|None=None,   # a list to which each row's rendered messages are appended (`--log-prompts`)
                   samples:int=1,               # replies per prompt (generate): K > 1 adds a `sample` column, 0..K-1
+                  format:str="mcq",            # mcq (options shown) | open (not shown: the free-text reply is graded to an option or none)
+                  delivery:str="inline",       # inline | dialogue (the context in an earlier user turn)
+                  turns_before:int=0,          # dialogue: neutral exchanges between the claim and the question
+                  grader:str="minilm",         # --format open: minilm (offline) or a model spec
                  )->pd.DataFrame:
     "Run `items` × `conditions` on `backend` through the ledger; one prediction row per (item, condition, target[, sample])"
     if scoring not in SCORINGS: raise ConfigError(f"unknown scoring {scoring!r}; use {' or '.join(SCORINGS)}")
     if samples > 1 and scoring != "generate": raise ConfigError(f"--samples {samples}: {scoring} scoring reads probabilities, which do not vary between samples; use --scoring generate")
     conditions = tuple(conditions.split(",")) if isinstance(conditions, str) else tuple(conditions)
     if only_clean_correct and "clean" not in conditions: raise ConfigError("--only-clean-correct needs the clean condition in --conditions")
-    schema_ok = bool(getattr(backend, "structured_output", False))
-    if prompt == "paper" and structured and not schema_ok: raise ConfigError(f"{backend.name} cannot constrain a reply to a JSON schema; use --no-structured")
-    if prompt == "paper" and scoring == "logprob": raise ConfigError("--prompt paper asks for reasoning before the answer; logprob scoring reads the first answer token: use --prompt compact")
-    if scoring == "options":
-        if prompt == "paper": raise ConfigError("--prompt paper asks for reasoning before the answer; option scoring reads the option text as the reply's first words: use --prompt compact")
-        if not getattr(backend, "option_scoring", False): raise ConfigError(f"{backend.name} cannot score option texts (--scoring options); use --scoring logprob or generate, or an hf: model")
-    if structured is None: structured = schema_ok and prompt == "paper"
+    proto, provider, structured = protocol_for(backend, prompt, scoring, structured)
+    if scoring == "options" and not getattr(backend, "option_scoring", False):
+        raise ConfigError(f"{backend.name} cannot score option texts (--scoring options); use --scoring logprob or generate, or an hf: model")
+    followup = [c for c in conditions if c in FOLLOWUP_CONDITIONS] + ([mitigation] if mitigation in FOLLOWUP_MITIGATIONS else [])
+    if followup and "clean" not in conditions: raise ConfigError(f"{', '.join(followup)} builds on the clean answer: add clean to --conditions")
+    if mitigation in FOLLOWUP_MITIGATIONS and scoring != "generate": raise ConfigError(f"--mitigation {mitigation} asks the model again in words: use --scoring generate")
+    if format == "open" and scoring != "generate": raise ConfigError("--format open asks for a free-text answer: use --scoring generate")
     own = not isinstance(ledger, Ledger)
     led = Ledger(ledger if ledger is not None else ":memory:") if own else ledger
     items_by_id = {it.id: it for it in items}
     try:
-        def prediction_rows(its, conds):
-            prompts = build_prompts(its, conds, seed=seed, mitigation=mitigation, prompt=prompt, structured=structured)
+        index = [None] if samples == 1 else list(range(samples))      # one reply: no sample index, so the key is the plain request's
+        def prediction_rows(its, conds, earlier=()):
+            prompts = build_prompts(its, conds, seed=seed, mitigation=mitigation, prompt=proto, structured=structured, provider=provider,
+                                    format=format, delivery=delivery, turns_before=turns_before)
             if not prompts: return []
             desc = f"{backend.name} {'+'.join(conds)}"
-            if scoring == "generate": return _generate_rows(backend, items_by_id, prompts, led, max_new_tokens, desc, progress, prompt_log, samples)
-            if scoring == "options": return _option_rows(backend, items_by_id, prompts, led, desc, progress, prompt_log)
-            return _score_rows(backend, items_by_id, prompts, led, desc, progress, prompt_log)
+            def rows_for(asked):
+                if not asked: return []
+                if scoring == "generate": return _generate_rows(backend, items_by_id, None, led, max_new_tokens, desc, progress, prompt_log,
+                                                                asked=asked, grader=grader)
+                rows_of = _option_rows if scoring == "options" else _score_rows
+                return rows_of(backend, items_by_id, [p for p, _ in asked], led, desc, progress, prompt_log)
+            builds_on = lambda p: p.condition in FOLLOWUP_CONDITIONS or (mitigation == "claim-check" and bool(p.parts.contexts))
+            rows = rows_for([(p, s) for p in prompts if not builds_on(p) for s in index])
+            again = [(p, s) for p in prompts for s in index if builds_on(p) or (mitigation == "consistency" and p.parts.contexts)]
+            if not again: return rows
+            ask = lambda reqs: cached_generate(backend, reqs, led, desc=f"{desc} (first turns)", progress=progress)
+            return followup_rows(backend, items_by_id, rows, again, rows_for, ask, scoring, mitigation, earlier)
         if only_clean_correct:
             rows = prediction_rows(items, ["clean"])
             right = {r["item_id"] for r in rows if r["correct"]}
-            rows += prediction_rows([it for it in items if it.id in right], [c for c in conditions if c != "clean"])
+            rows += prediction_rows([it for it in items if it.id in right], [c for c in conditions if c != "clean"], earlier=rows)
         else: rows = prediction_rows(items, conditions)
     finally:
         if own: led.close()
     cols = PREDICTION_COLUMNS + {"logprob": ["p_gold", "p_target"], "options": ["p_gold", "p_target", "pred_norm", "correct_norm"]}.get(scoring, [])
     if samples > 1: cols = cols + ["sample"]
+    if format == "open": cols = cols + ["grader", "grade_evidence"]
     df = pd.DataFrame(rows, columns=cols)
     order = {c: i for i, c in enumerate(ALL_CONDITIONS)}
     pos = {it.id: i for i, it in enumerate(items)}
@@ -206,110 +319,20 @@ def provenance()->dict:
     return {"argv": [scrub_secrets(a) for a in sys.argv], "git_commit": commit, "python": platform.python_version(),
             "versions": {p: version(p) for p in VERSIONED}}
 
-# %% ../../nbs/run/10_runner.ipynb #547e397b
-EXIT_OK, EXIT_ROWS, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-EXIT_BUDGET = 4      # --max-cost reached before the run ended (`cost.BudgetReached`): answers kept in the ledger, rerun to continue
-BREAKER_LIMIT = 20   # consecutive connection / timeout / 5xx failures that stop a run
-
-class ServerUnavailable(MedsafeError):
-    "The model server is not there (health probe) or stopped answering (circuit breaker)"
-
-# %% ../../nbs/run/10_runner.ipynb #e509dbee
-def probe_server(base_urls:list,       # the backend's server URLs (None entries: the provider's default, not probed)
-                 timeout:float=5.0,    # seconds to connect and to read the answer
-                )->None:
-    "Fail fast when nothing answers at a server's models endpoint (connection refused, timeout, 5xx); 4xx means it is there"
-    import httpx
-    for url in (u for u in base_urls if u):
-        probe = url.rstrip("/") + "/models"
-        try: r = httpx.get(probe, timeout=httpx.Timeout(timeout, connect=timeout), follow_redirects=True)
-        except httpx.HTTPError as e:
-            raise ServerUnavailable(f"no server answers at {safe_url(probe)} ({type(e).__name__}: {scrub_secrets(str(e)) or 'no reply'} "
-                                    f"within {timeout:g} s); start it, or check --base-url") from None
-        if r.status_code >= 500: raise ServerUnavailable(f"the server at {safe_url(probe)} is failing (HTTP {r.status_code}); check its logs")
-
-# %% ../../nbs/run/10_runner.ipynb #dfe0df66
-import re as _re
-_OUTAGE = _re.compile(r"^\w*(Connection|Connect|Timeout|Disconnected|ProtocolError)\w*|\(HTTP 5\d\d\)|Connection error|timed out", _re.I)
-
-class CircuitBreaker:
-    "Wrap a backend: after `limit` consecutive connection / timeout / 5xx failures, stop the run (what was answered stays in the ledger)"
-    def __init__(self, backend, limit:int=BREAKER_LIMIT): self._backend, self.limit, self.streak, self.last = backend, limit, 0, None
-    def __getattr__(self, name): return getattr(self._backend, name)
-    def _watch(self, results, error_of):
-        try:
-            for j, res in results:
-                err = error_of(res)
-                if err and _OUTAGE.search(err): self.streak, self.last = self.streak + 1, err
-                else: self.streak = 0
-                yield j, res
-                if self.streak >= self.limit:
-                    raise ServerUnavailable(f"stopped after {self.streak} consecutive failed requests (the server looks down); the last: "
-                                            f"{scrub_secrets(self.last)[:300]}. Answers received so far are kept in the ledger: rerun to resume")
-        finally:
-            close = getattr(results, "close", None)
-            if close: close()
-    def generate(self, requests): return self._watch(self._backend.generate(requests), lambda g: g.error if g.finish_reason == "error" else None)
-    def score(self, requests): return self._watch(self._backend.score(requests), lambda s: s.error)
-
-# %% ../../nbs/run/10_runner.ipynb #0c442b18
-def run_outcome(df:pd.DataFrame,          # a predictions table
-                max_error_rate:float=1.0, # the non-ok share allowed
-               )->tuple[int, str]:        # (exit code, one line saying why)
-    "The exit code of a finished run: 1 when any row is `error` or the non-ok share exceeds `max_error_rate`, else 0"
-    n = len(df); errors = int((df["status"] == "error").sum()); nonok = int((df["status"] != "ok").sum())
-    if errors: return EXIT_ROWS, f"{errors} of {n} rows ended in error (rerun the same command to retry only those)"
-    if n and nonok / n > max_error_rate: return EXIT_ROWS, f"{nonok} of {n} rows are not ok ({100*nonok/n:.1f}% > --max-error-rate {max_error_rate:g})"
-    return EXIT_OK, f"{n} rows, {nonok} not ok"
-
-def first_errors(df:pd.DataFrame, n:int=3)->list[str]:
-    "The first `n` distinct error messages of a run's `error` rows (scrubbed, one line each)"
-    msgs = df.loc[df["status"] == "error", "raw"].fillna("").map(lambda t: scrub_secrets(" ".join(str(t).split()))[:200])
-    return list(dict.fromkeys(msgs))[:n]
-
-# %% ../../nbs/run/10_runner.ipynb #fa027ca7
-def graceful_signals(grace_s:float): # seconds that requests in flight get after the first signal
-    "A context in which the first SIGTERM / SIGINT becomes a stop request (`core.STOP`) and a second ends the process at once"
-    import contextlib, signal, threading
-    @contextlib.contextmanager
-    def handlers():
-        if threading.current_thread() is not threading.main_thread() or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            yield; return
-        def on_signal(signum, frame):
-            name = signal.Signals(signum).name
-            if STOP:
-                os.write(2, f"\nmedsafe: a second signal ({name}): stopping at once; answers received so far are in the ledger\n".encode())
-                os._exit(128 + signum)
-            os.write(2, f"\nmedsafe: {name}: stopping: no new requests; those in flight get up to {grace_s:g} s "
-                        "(a second signal stops at once)\n".encode())
-            STOP.request(signum, grace_s)
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        STOP.clear()
-        try: yield
-        finally:
-            for s, h in old.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
-            STOP.clear()
-    return handlers()
-
-# %% ../../nbs/run/10_runner.ipynb #273cbc5f
-class StopGuard:
-    "Wrap a backend: after a stop request, end its results before the next one (a backend that `stops_itself` lets what is in flight finish)"
-    def __init__(self, backend): self._backend = backend
-    def __getattr__(self, name): return getattr(self._backend, name)
-    def _guard(self, results):
-        itself = getattr(self._backend, "stops_itself", False)
-        it = iter(results)
-        try:
-            while True:
-                if STOP and not itself: raise STOP.error("no new request was started")
-                try: r = next(it)
-                except StopIteration: return
-                yield r
-        finally:
-            close = getattr(it, "close", None)
-            if close: close()
-    def generate(self, requests): return self._guard(self._backend.generate(requests))
-    def score(self, requests): return self._guard(self._backend.score(requests))
+# %% ../../nbs/run/10_runner.ipynb #4d0c6f61
+def served_note(model,          # the run's backend (before any search wrapper)
+                ledger:Ledger,  # the run's ledger
+               )->str|None:     # one line for the terminal, or None
+    "Ask the model's server what it serves (its identity); say in one line when the ledger's answers under its name all came from another checkpoint"
+    from medsafe_nb.models.openai import ServedUnknown
+    try: identity = model.identity()
+    except ServedUnknown as e: raise ServerUnavailable(str(e)) from None
+    before = ledger.identity_changes(identity, "served")
+    if not before or before.pop(identity.get("served"), 0): return None   # nothing under the name, or this checkpoint answered before: said already
+    now = identity.get("served") or "no reported checkpoint"
+    was = ", ".join(f"{n} for {s or 'no reported checkpoint'}" for s, n in before.items())
+    return (f"medsafe: {model.name} now serves {now}; the ledger's answers under this name were made with another checkpoint ({was}): "
+            "they are not used, every prompt is asked afresh")
 
 # %% ../../nbs/run/10_runner.ipynb #f11fb0f8
 def batch_backend(model, backend, ledger, cfg:RunConfig):
@@ -318,7 +341,7 @@ def batch_backend(model, backend, ledger, cfg:RunConfig):
     from medsafe_nb.models.batch import BatchBackend
     if backend is not model: raise ConfigError("batch: a search defence runs a tool loop per item, which a batch API cannot; drop --batch or the search mitigation")
     if cfg.scoring != "generate": raise ConfigError("batch: log-probability scoring runs live only; drop --batch")
-    return BatchBackend(model, ledger, poll_s=cfg.batch_poll_s)
+    return BatchBackend(model, ledger, poll_s=cfg.batch_poll_s, max_wait_s=cfg.batch_wait_s)
 
 # %% ../../nbs/run/10_runner.ipynb #8cc37e8f
 _NOT_ASKED = "not asked: the run was stopped first"
@@ -330,14 +353,20 @@ class _LedgerOnly:
     def generate(self, requests): return ((i, Generation("", "error", error=_NOT_ASKED)) for i in range(len(requests)))
     def score(self, requests): return ((i, Scores({}, error=_NOT_ASKED)) for i in range(len(requests)))
 
+# %% ../../nbs/run/10_runner.ipynb #dbeae5ba
 def answered_rows(items:list[Item], backend, cfg:RunConfig, ledger:Ledger)->pd.DataFrame:
     "The prediction rows of a stopped run that the ledger can answer (nothing is asked); `attrs['planned']`: rows the run would write"
     df = run_benchmark(items, _LedgerOnly(backend), cfg.conditions, seed=cfg.seed, scoring=cfg.scoring, mitigation=cfg.mitigation,
                        only_clean_correct=cfg.only_clean_correct, ledger=ledger, max_new_tokens=cfg.max_new_tokens, progress=False,
-                       prompt=cfg.prompt, structured=cfg.structured, samples=cfg.samples)
+                       prompt=cfg.prompt, structured=cfg.structured, samples=cfg.samples, **cfg_conversation(cfg))
     kept = df[df["raw"] != _NOT_ASKED].reset_index(drop=True)
     kept.attrs["planned"] = len(df)
     return kept
+
+# %% ../../nbs/run/10_runner.ipynb #3ccb68d3
+def cfg_conversation(cfg:RunConfig)->dict:
+    "The `run_benchmark` arguments of a run's question form: the format, the delivery, the history turns and the grader"
+    return dict(format=cfg.format, delivery=cfg.delivery, turns_before=cfg.turns_before, grader=cfg.grader)
 
 # %% ../../nbs/run/10_runner.ipynb #f0ea7366
 def stopped_run(stopped:RunStopped, df:pd.DataFrame, out:Path, record:dict)->RunStopped:
@@ -345,7 +374,8 @@ def stopped_run(stopped:RunStopped, df:pd.DataFrame, out:Path, record:dict)->Run
     planned = df.attrs.get("planned", len(df))
     rec = {**record, "stopped": {"signal": STOP.name or f"signal {stopped.signum}", "rows_answered": len(df), "rows_planned": planned}}
     write_run(df, out, rec, commit=False)
-    return RunStopped(f"stopped by {STOP.name or stopped.signum}: {len(df)} of {planned} rows answered and kept ({out}/predictions.parquet, "
+    why = str(stopped).partition(": ")[2]                 # what the loop that stopped said (e.g. the batches left open)
+    return RunStopped(f"stopped by {STOP.name or stopped.signum}{f' ({why})' if why else ''}: {len(df)} of {planned} rows answered and kept ({out}/predictions.parquet, "
                       f"uncommitted: no manifest yet; every answer is in the ledger {record.get('ledger')}). "
                       "Run the same command again to resume: it asks only for the rows left", stopped.signum)
 
@@ -363,6 +393,7 @@ def _open_out(out:Path, cfg:RunConfig):
     clean_stale_tmp(out)
     (out/MANIFEST).unlink(missing_ok=True)                   # uncommitted until this run writes its own
 
+# %% ../../nbs/run/10_runner.ipynb #d4f99134
 def _out_dir(out:Path)->Path:
     if out.exists() and not out.is_dir(): raise ConfigError(f"out: {out} is a file, not a folder")
     try: out.mkdir(parents=True, exist_ok=True)
@@ -380,7 +411,8 @@ def run(cfg:RunConfig|None=None, # the run (default: built from `options`)
     if not cfg.out: raise ConfigError("out: a run folder is needed (--out DIR)")
     out = _out_dir(Path(cfg.out))
     ledger_path = Path(cfg.ledger) if cfg.ledger else out/"ledger.sqlite"
-    if not is_main_process(): return _run_locked(cfg, out, ledger_path)   # a data-parallel rank: rank 0 holds the locks and writes
+    if not is_main_process():                           # a data-parallel rank: rank 0 holds the locks and writes
+        with graceful_signals(cfg.stop_grace_s): return _run_locked(cfg, out, ledger_path)
     with graceful_signals(cfg.stop_grace_s), exclusive_lock(out/".medsafe.lock", f"run folder {out}"):
         ledger_path.parent.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(ledger_path.with_name(ledger_path.name + ".lock"), f"ledger {ledger_path}"):
@@ -391,12 +423,16 @@ def run(cfg:RunConfig|None=None, # the run (default: built from `options`)
 def decoding_record(cfg:RunConfig, # the run
                     model,         # its backend (before any search wrapper)
                    )->dict:        # what run.json keeps under `decoding`
-    "How the run decoded: temperature, replies per prompt, and whether the reply was guided by the JSON schema or read unguided"
-    guided = cfg.prompt == "paper" and cfg.structured is not False and bool(getattr(model, "structured_output", False))
-    return {"temperature": getattr(model, "temperature", None), "samples": cfg.samples,
-            "guided": "json_schema" if guided else "unguided",
-            "note": "the reply is constrained to the paper protocol's JSON schema (response_format json_schema)" if guided else
-                    "the model decodes unguided; its free reply is read by the answer extractor"}
+    "How the run decoded: temperature, replies per prompt, the protocol, and what was sent to shape the reply"
+    proto = load_protocol(cfg.prompt)
+    provider = getattr(model, "provider", getattr(model, "kind", None))
+    fmt = reply_request(proto, provider, cfg.structured, ("A", "B"))[0] if cfg.scoring == "generate" else None
+    note = {"json_object": "the reply is asked for in JSON mode (valid JSON, no schema); the answer extractor reads it",
+            "json_schema": "the reply is constrained to the protocol's JSON schema, its answer a free string (an invalid answer stays possible)",
+            "strict": "the reply is constrained to the strict JSON schema: its answer is one of the item's keys"}
+    return {"temperature": getattr(model, "temperature", None), "samples": cfg.samples, "protocol": proto.record(), "provider": provider,
+            "structured": structured_mode(cfg.structured), "reply_format": fmt or "none", "guided": fmt or "unguided",
+            "note": note.get(fmt, "the model decodes unguided; its free reply is read by the answer extractor")}
 
 # %% ../../nbs/run/10_runner.ipynb #1184cd7e
 def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
@@ -417,20 +453,24 @@ def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
     started, t0 = utc_now(), time.time()
     log = [] if cfg.log_prompts else None
     stopped = None
-    with backend, Ledger(ledger_path) as led:
-        if getattr(model, "base_url", None): probe_server(getattr(model, "base_urls", [model.base_url]))
+    with backend, Ledger(ledger_path) as led, RunSpend(out) as spend:
+        if getattr(model, "base_url", None):
+            probe_server(getattr(model, "base_urls", [model.base_url]))
+            if (note := served_note(model, led)): print(note, file=sys.stderr, flush=True)   # another checkpoint behind the same name: asked afresh
         try:
             batcher = batch_backend(model, backend, led, cfg)                 # --batch: the provider's batch API, batches recorded in the ledger
-            meter = CostMeter(CircuitBreaker(StopGuard(batcher or backend)), price, cfg.max_cost, cfg.batch, cfg.max_new_tokens)   # prices replies, keeps --max-cost
+            meter = CostMeter(CircuitBreaker(StopGuard(batcher or backend)), price, cfg.max_cost, cfg.batch, cfg.max_new_tokens, spend)   # prices replies, keeps --max-cost for the folder
             df = run_benchmark(items, meter, cfg.conditions, seed=cfg.seed, scoring=cfg.scoring, mitigation=cfg.mitigation,
                                only_clean_correct=cfg.only_clean_correct, ledger=led, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
-                               prompt=cfg.prompt, structured=cfg.structured, prompt_log=log, samples=cfg.samples)
+                               prompt=cfg.prompt, structured=cfg.structured, prompt_log=log, samples=cfg.samples, **cfg_conversation(cfg))
         except RunStopped as e: stopped = e                              # a signal: what was answered is in the ledger
         served = {**asdict(led.total), "ledger_rows": len(led)}
         if stopped is not None: df = answered_rows(items, backend, cfg, led)
     if backend is not model and stopped is None: df = search_columns(df, backend)   # calls, passages, drops, tokens and status per row
     df = with_costs(df, price, cfg.batch)                               # cost_usd per row, at the run's rates
-    if not is_main_process(): return df
+    if not is_main_process():                           # a data-parallel rank: rank 0 writes; a stopped rank exits as rank 0 does
+        if stopped is not None: raise stopped
+        return df
     if log is not None:
         atomic_write(out/"prompts.jsonl", lambda tmp: tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in log), encoding="utf-8"))
     else: (out/"prompts.jsonl").unlink(missing_ok=True)
@@ -438,7 +478,8 @@ def _run_locked(cfg:RunConfig, out:Path, ledger_path:Path)->pd.DataFrame:
     record = {"model": backend.name, "model_spec": config.pop("model"), **config, "is_llm": backend.is_llm, "identity": backend.identity(),
               "data_fingerprint": fingerprint(items), "n_items": len(items),
               "accuracy_scope": "clean-correct items only for attacked conditions" if cfg.only_clean_correct else "all items",
-              "structured_output": cfg.prompt == "paper" and cfg.structured is not False and bool(getattr(backend, "structured_output", False)),
+              "protocol": load_protocol(cfg.prompt).record(),
+              "structured_output": decoding_record(cfg, model)["reply_format"] != "none",
               "engine": model.engine_record(),
               "decoding": decoding_record(cfg, model),
               "search": search_record(backend), **(subset_record(items, cfg.subset, cfg.subset_seed) if cfg.subset else {}),

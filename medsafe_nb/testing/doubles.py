@@ -10,7 +10,7 @@ from pathlib import Path
 from ..core import ConfigError, SchemaError
 from ..items.schema import Item, iter_records
 from ..models.base import Backend, GenRequest, Generation, kind_info
-from ..construct.common import STAGES, request_tag, parse_tag   # the construction requests' audit tags
+from ..construct.requests import REQUEST_STAGES, request_tag, parse_tag   # the construction requests' audit tags
 from ..models.tiny import (TINY_VERSION, TINY_KEYS, TINY_CHAT_TEMPLATE, TINY_LABEL, tiny_corpus, train_tiny_tokenizer,
                                    build_tiny_model, tiny_dir, tiny_backend)   # the tiny model: a model kind of its own (`tiny`)
 
@@ -28,8 +28,8 @@ def _read_replies(files:list[Path])->tuple[dict, str]: # (tag key -> row, digest
         digest.update(f.read_bytes())
         for line, rec in iter_records(f):
             key = tuple(str(rec.get(k) if rec.get(k) is not None else "*") for k in _ROW_KEY)
-            if "text" not in rec or key[1] not in STAGES:
-                raise SchemaError("a scripted reply needs a text and a stage (gate, generate or verify)", file=f, line=line, field="stage")
+            if "text" not in rec or key[1] not in REQUEST_STAGES:
+                raise SchemaError(f"a scripted reply needs a text and a stage ({', '.join(REQUEST_STAGES)})", file=f, line=line, field="stage")
             if key in rows: raise SchemaError(f"a second reply for {'/'.join(key)}", file=f, line=line, field="item")
             rows[key] = rec
     return rows, digest.hexdigest()[:16]
