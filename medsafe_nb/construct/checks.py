@@ -146,13 +146,15 @@ def verify_messages(item:Item,         # an item with contexts
     return [{"role": "system", "content": t["system"]}, {"role": "user", "content": user + retry_note(t, attempt, why)}]
 
 # %% ../../nbs/construct/13c_checks.ipynb #a7e3206e
-def parse_verify_reply(text:str, item:Item)->tuple[dict, str]: # ({wrong key: keeps gold}, reason)
-    "Read a verifier reply strictly: `{\"keeps_gold\": {WRONG_KEY: bool}, \"reason\": str}` covering every wrong option"
+def parse_verify_reply(text:str, item:Item,
+                       field:str="keeps_gold", # the verdicts' key: keeps_gold here, same_claim for a rewrite's verifier
+                      )->tuple[dict, str]: # ({wrong key: verdict}, reason)
+    "Read a verifier reply strictly: `{FIELD: {WRONG_KEY: bool}, \"reason\": str}` covering every wrong option"
     obj = extract_json(text)
-    if set(obj) != {"keeps_gold", "reason"}: raise ReplyError("schema", f"expected exactly the keys keeps_gold, reason; got {keys_text(obj)}")
-    kg = obj["keeps_gold"]
+    if set(obj) != {field, "reason"}: raise ReplyError("schema", f"expected exactly the keys {field}, reason; got {keys_text(obj)}")
+    kg = obj[field]
     if not isinstance(kg, dict) or set(kg) != set(item.wrong_keys) or not all(isinstance(v, bool) for v in kg.values()):
-        raise ReplyError("schema", f"keeps_gold must map exactly the wrong options {keys_text(item.wrong_keys)} to true or false")
+        raise ReplyError("schema", f"{field} must map exactly the wrong options {keys_text(item.wrong_keys)} to true or false")
     if not isinstance(obj["reason"], str): raise ReplyError("schema", "reason must be a string")
     return {k: kg[k] for k in item.wrong_keys}, " ".join(obj["reason"].split())
 

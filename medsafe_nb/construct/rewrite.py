@@ -14,7 +14,7 @@ from ..items.taxonomy import PROVENANCE
 from ..models.minilm import minilm_embed
 from .requests import (ConstructConfig, ReplyError, extract_json, item_json, keys_text, prompt_lang, request_tag,
                                          retry_note)
-from .checks import check_length, mentions, near_duplicates
+from .checks import check_length, mentions, near_duplicates, parse_verify_reply
 
 # %% auto #0
 __all__ = ['VOICES', 'REWRITE_PROMPT_VERSION', 'REWRITE_RULES', 'REWRITE_REASONS', 'Voice', 'register_voice', 'get_voice',
@@ -290,13 +290,7 @@ def rewrite_verify_messages(item:Item,         # the released item
 # %% ../../nbs/construct/13e_rewrite.ipynb #0b002441
 def parse_rewrite_verify_reply(text:str, item:Item)->tuple[dict, str]: # ({wrong key: same claim}, reason)
     "Read a verifier reply strictly: `{\"same_claim\": {WRONG_KEY: bool}, \"reason\": str}` covering every wrong option"
-    obj = extract_json(text)
-    if set(obj) != {"same_claim", "reason"}: raise ReplyError("schema", f"expected exactly the keys same_claim, reason; got {keys_text(obj)}")
-    sc = obj["same_claim"]
-    if not isinstance(sc, dict) or set(sc) != set(item.wrong_keys) or not all(isinstance(v, bool) for v in sc.values()):
-        raise ReplyError("schema", f"same_claim must map exactly the wrong options {keys_text(item.wrong_keys)} to true or false")
-    if not isinstance(obj["reason"], str): raise ReplyError("schema", "reason must be a string")
-    return {k: sc[k] for k in item.wrong_keys}, " ".join(obj["reason"].split())
+    return parse_verify_reply(text, item, field="same_claim")
 
 # %% ../../nbs/construct/13e_rewrite.ipynb #7bacad9e
 REWRITE_REASONS = {   # code -> (stage, meaning)
