@@ -332,7 +332,7 @@ def main():
     peak, bw = max(R["peak"]), max(R["bw"])          # the machine's limits: the best of all samples
     peak_of = {"float32": peak, "bfloat16": max(R["peak_bf16"])}   # MFU counts against the peak of the precision used
     flops = sum(shape.prefill(n) for n in lengths)
-    rows = []
+    rep = Report()
     ref = med(R["score_hflm"]) if R["score_hflm"] else None
     for key, label in (("score", "toolkit, defaults (auto batch)"), ("score_b1", "toolkit, batch 1"), ("score_b8", "toolkit, batch 8 (previous default)"),
                        ("score_naive", "naive loop (full forward per prompt)"), ("score_hflm", "lm-eval HFLM loglikelihood, bs 1"),
@@ -341,25 +341,27 @@ def main():
         dt = med(R[key])
         agree = sum(a == b for a, b in zip(answers[key], answers["score"]))
         p = peak_of.get("bfloat16" if key == "score_bf16" else fast.dtype, peak)
-        rows.append((f"scoring, {len(texts)}-prompt call", label, f"{len(texts) / dt:.2f} prompts/s",
-                     (f"{ref / dt:.2f}x HFLM, " if ref else "") + f"answers {agree}/{len(texts)}",
-                     f"MFU {flops / dt / p:.2f} ({'bf16' if p is not peak else 'fp32'} peak)"))
+        mfu = flops / dt / p
+        rep.add(f"scoring, {len(texts)}-prompt call", label, f"{len(texts) / dt:.2f} prompts/s",
+                (f"{ref / dt:.2f}x HFLM, " if ref else "") + f"answers {agree}/{len(texts)}",
+                f"MFU {mfu:.2f} ({'bf16' if p is not peak else 'fp32'} peak)", *(("MFU >= 0.75", mfu >= 0.75) if key == "score" else ()))
     gen_bound = shape.roofline(gen_lengths, args.new_tokens, peak_of.get(fast.dtype, peak), bw)
     n_new = len(gen_texts) * args.new_tokens
     same = sum(a == b for a, b in zip(answers["gen"], answers["gen_naive"]))
     for key, label in (("gen", "toolkit, defaults (auto batch)"), ("gen_naive", "naive per-prompt generate")):
         dt = med(R[key])
-        rows.append((f"generation, {len(gen_texts)} x {args.new_tokens} tokens", label, f"{n_new / dt:.1f} tok/s",
-                     f"{med(R['gen_naive']) / dt:.2f}x naive" + (f", texts {same}/{len(gen_texts)}" if key == "gen" else ""),
-                     f"{gen_bound / dt:.2f} of roofline"))
+        rep.add(f"generation, {len(gen_texts)} x {args.new_tokens} tokens", label, f"{n_new / dt:.1f} tok/s",
+                f"{med(R['gen_naive']) / dt:.2f}x naive" + (f", texts {same}/{len(gen_texts)}" if key == "gen" else ""),
+                f"{gen_bound / dt:.2f} of roofline", *((">= 0.60 of roofline", gen_bound / dt >= 0.6) if key == "gen" else ()))
     print(f"  peak fp32 {peak / 1e9:.0f} GFLOP/s (median sample {med(R['peak']) / 1e9:.0f}), bf16 {max(R['peak_bf16']) / 1e9:.0f} GFLOP/s, memory {bw / 1e9:.1f} GB/s "
           f"(roofline of the generation job: {gen_bound:.2f} s)", flush=True)
 
-    if "e2e" not in skip: rows += bench_e2e(model, args.rounds, args.e2e_limit)
-    if "api" not in skip: rows += bench_api([int(c) for c in args.concurrency.split(",")], max(args.rounds, API_ROUNDS))
-    if "vllm" not in skip: rows += bench_vllm(model, fast, score_reqs, gen_reqs, args.rounds)
+    if "e2e" not in skip: bench_e2e(rep, model, args.rounds, args.e2e_limit)
+    if "api" not in skip: bench_api(rep, [int(c) for c in args.concurrency.split(",")], max(args.rounds, API_ROUNDS))
+    if "vllm" not in skip: bench_vllm(rep, model, fast, score_reqs, gen_reqs, args.rounds)
     print()
-    print(table(rows))
+    print(rep.table())
+    print(rep.summary())
     if args.scale:
         print("\npaper-scale verbs (bench/bench_scale.py):", flush=True)
         subprocess.run([sys.executable, str(ROOT / "bench" / "bench_scale.py")], check=False)
@@ -369,7 +371,7 @@ def main():
           f"{torch.get_num_threads()} thread(s); {time.perf_counter() - t_start:.0f} s in all)")
 
 
-def bench_e2e(model, rounds, limit):
+def bench_e2e(rep, model, rounds, limit):
     "`medsafe run --scoring logprob --limit N` as a user types it (model load included), defaults against --batch-size 1"
     import pandas as pd
     tmp = Path(tempfile.mkdtemp(prefix="medsafe-bench-e2e-"))
@@ -380,20 +382,20 @@ def bench_e2e(model, rounds, limit):
             cmd = [str(Path(sys.executable).parent / "medsafe"), "run", "--model", f"hf:{model}", "--scoring", "logprob",
                    "--limit", str(limit), "--out", str(out), "--no-progress", *(["--batch-size", "1"] if b == "1" else [])]
             t0 = time.perf_counter(); p = subprocess.run(cmd, capture_output=True, text=True); dt = time.perf_counter() - t0
-            if p.returncode: print(f"end to end ({b}): exit {p.returncode}: {p.stderr[-300:]}"); return []
+            if p.returncode: print(f"end to end ({b}): exit {p.returncode}: {p.stderr[-300:]}"); return
             R[b].append(dt)
             got.setdefault(b, pd.read_parquet(out / "predictions.parquet").sort_values(["item_id", "condition"]))
     a, o = got["auto"], got["1"]
     same = int((a.pred.fillna("").to_numpy() == o.pred.fillna("").to_numpy()).sum())
     diff = float((a.p_gold - o.p_gold).abs().max()) if "p_gold" in a else float("nan")
     n = len(a)
-    return [(f"end to end, `medsafe run --scoring logprob --limit {limit}` ({n} prompts)", "defaults (auto batch)",
-             f"{med(R['auto']):.1f} s", f"{med(R['1']) / med(R['auto']):.2f}x batch 1 (target >= 1.00), answers {same}/{n}, "
-             f"max |dp_gold| {diff:.1e}", ""),
-            (f"end to end, `medsafe run --scoring logprob --limit {limit}` ({n} prompts)", "--batch-size 1", f"{med(R['1']):.1f} s", "", "")]
+    part, ratio = f"end to end, `medsafe run --scoring logprob --limit {limit}` ({n} prompts)", med(R["1"]) / med(R["auto"])
+    rep.add(part, "defaults (auto batch)", f"{med(R['auto']):.1f} s", f"{ratio:.2f}x batch 1, answers {same}/{n}, max |dp_gold| {diff:.1e}", "",
+            ">= 1.00x batch 1, same answers", ratio >= 1.0 and same == n)
+    rep.add(part, "--batch-size 1", f"{med(R['1']):.1f} s")
 
 
-def bench_api(levels, rounds, delay=0.05):
+def bench_api(rep, levels, rounds, delay=0.05):
     server = subprocess.Popen([sys.executable, "-m", "medsafe_nb.testing.mockserver", "--port", "0", "--quiet", "--delay", str(delay)],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -409,27 +411,25 @@ def bench_api(levels, rounds, delay=0.05):
                     dt, cpu = cpu_timed(lambda: fn(url, n, c))
                     R[c, k].append((n / dt, cpu / n))
             print(f"  api round {r + 1} done", flush=True)
-        rows = []
         for c in levels:
             rps = {k: med(x[0] for x in R[c, k]) for k, _ in clients}
             cpu = {k: med(x[1] for x in R[c, k]) for k, _ in clients}
             ideal = min(c, min(max(32, 2 * c), 512)) / delay
             for k, label in (("toolkit", "toolkit OpenAI backend (httpx2)"), ("minimal2", "minimal asyncio client, httpx2"),
                              ("minimal", "minimal asyncio client, httpx")):
-                ratio = (f"{rps[k] / rps['minimal2']:.2f}x minimal httpx2 req/s, {cpu[k] / cpu['minimal2']:.2f}x its CPU "
-                         f"(targets >= 0.9x, <= 1.2x)") if k == "toolkit" else ""
-                rows.append((f"API, concurrency {c}", label, f"{rps[k]:.0f} req/s, {cpu[k] * 1000:.1f} ms CPU/req", ratio,
-                             f"{rps[k] / ideal:.2f} of ideal ({ideal:.0f} req/s)"))
-        return rows
+                r_rps, r_cpu = rps[k] / rps["minimal2"], cpu[k] / cpu["minimal2"]
+                rep.add(f"API, concurrency {c}", label, f"{rps[k]:.0f} req/s, {cpu[k] * 1000:.1f} ms CPU/req",
+                        f"{r_rps:.2f}x minimal httpx2 req/s, {r_cpu:.2f}x its CPU" if k == "toolkit" else "", f"{rps[k] / ideal:.2f} of ideal ({ideal:.0f} req/s)",
+                        *((">= 0.9x req/s, <= 1.2x CPU", r_rps >= 0.9 and r_cpu <= 1.2) if k == "toolkit" else ()))
     finally:
         server.terminate(); server.wait(10)
 
 
-def bench_vllm(model, fast, score_reqs, gen_reqs, rounds):
+def bench_vllm(rep, model, fast, score_reqs, gen_reqs, rounds):
     from medsafe_nb.models.vllm import find_vllm_python, vllm_backend
     try: find_vllm_python()
     except Exception as e:
-        print(f"vLLM: not measured ({e})"); return []
+        print(f"vLLM: not measured ({e})"); return
     out = Path(tempfile.mkdtemp(prefix="medsafe-bench-vllm-"))
     import torch
     n = torch.get_num_threads()
@@ -438,7 +438,7 @@ def bench_vllm(model, fast, score_reqs, gen_reqs, rounds):
     try: v = vllm_backend(f"hf:{model}", out=out, model_args={"max_model_len": 4096}, max_new_tokens=gen_reqs[0].max_new_tokens,
                           startup_timeout=480)
     except Exception as e:
-        print(f"vLLM: not measured: the server did not start ({type(e).__name__}: {str(e)[:300]}); log in {out}"); return []
+        print(f"vLLM: not measured: the server did not start ({type(e).__name__}: {str(e)[:300]}); log in {out}"); return
     print(f"  vLLM server healthy after {time.perf_counter() - t0:.0f} s", flush=True)
     try:
         R = {k: [] for k in ("v_score", "i_score", "v_gen", "i_gen")}
@@ -451,10 +451,10 @@ def bench_vllm(model, fast, score_reqs, gen_reqs, rounds):
         n_new = len(gen_reqs) * gen_reqs[0].max_new_tokens
         s_agree = sum(a == b for a, b in zip(got["v_score"], got["i_score"]))
         g_agree = sum(a == b for a, b in zip(got["v_gen"], got["i_gen"]))
-        return [(f"vLLM, scoring {len(score_reqs)} prompts", "vLLM server (top logprobs), concurrency 64", f"{len(score_reqs) / med(R['v_score']):.2f} prompts/s",
-                 f"{med(R['i_score']) / med(R['v_score']):.2f}x in-process, answers {s_agree}/{len(score_reqs)}", "top-100 of the vocabulary"),
-                (f"vLLM, generation {len(gen_reqs)} x {gen_reqs[0].max_new_tokens}", "vLLM server, concurrency 64", f"{n_new / med(R['v_gen']):.1f} tok/s",
-                 f"{med(R['i_gen']) / med(R['v_gen']):.2f}x in-process, texts {g_agree}/{len(gen_reqs)}", "")]
+        rep.add(f"vLLM, scoring {len(score_reqs)} prompts", "vLLM server (top logprobs), concurrency 64", f"{len(score_reqs) / med(R['v_score']):.2f} prompts/s",
+                f"{med(R['i_score']) / med(R['v_score']):.2f}x in-process, answers {s_agree}/{len(score_reqs)}", "top-100 of the vocabulary")
+        rep.add(f"vLLM, generation {len(gen_reqs)} x {gen_reqs[0].max_new_tokens}", "vLLM server, concurrency 64", f"{n_new / med(R['v_gen']):.1f} tok/s",
+                f"{med(R['i_gen']) / med(R['v_gen']):.2f}x in-process, texts {g_agree}/{len(gen_reqs)}")
     finally:
         v.close()
 

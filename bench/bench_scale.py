@@ -192,6 +192,15 @@ def browser(html:Path)->dict:
     return out
 
 
+class Rows(list):
+    "The table's rows: each printed the moment it is measured, with the load"
+    def append(self, row):
+        v, fig, target, met = row
+        verdict = "" if met is None else f" | {target}: {'met' if met else 'MISSED'}"
+        print(f"  row | {v} | {fig}{verdict} (load {os.getloadavg()[0]:.1f})", flush=True)
+        super().append(row)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=sum(SPLITS.values()), help="items per run (the paper: 10,932)")
@@ -205,7 +214,7 @@ def main():
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="medsafe-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; building {args.runs} runs x {args.items} items in {root}", flush=True)
-    rows = []   # (verb, figure, target, met)
+    rows = Rows()   # (verb, figure, target, met), each printed as it is measured
     try:
         t0 = time.perf_counter()
         if (root / "built.json").is_file() and json.loads((root / "built.json").read_text()) == [args.items, args.runs]:

@@ -11,7 +11,7 @@ PUBLIC_API = {   # name -> the module that owns it
     "Item": "items.schema", "read_items": "items.schema", "write_items": "items.schema",
     "load_medmisbench": "items.release", "validate_report": "items.release",
     "audit_report": "items.audit", "type1_target": "protocols", "build_prompts": "protocols",
-    "RunConfig": "run.config", "make_backend": "models.base", "extract_answer": "extract", "run_benchmark": "run.runner",
+    "RunConfig": "run.config", "make_backend": "models.base", "extract_answer": "extract", "run_benchmark": "run.predict",
     "read_predictions": "metrics.io", "write_metrics": "metrics.io",
     "table1": "metrics.paper", "breakdowns": "metrics.paper", "cross_breakdown": "metrics.paper",
     "mcnemar_table": "metrics.significance", "MedsafeError": "core", "ConfigError": "core",

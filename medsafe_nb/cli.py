@@ -102,7 +102,8 @@ def run_cmd(**options):
     import pandas as pd
     from medsafe_nb.run.runner import run
     from medsafe_nb.run.process import run_outcome, ServerUnavailable, EXIT_UNAVAILABLE, EXIT_BUDGET
-    from medsafe_nb.run.cost import BudgetReached, estimate_run, estimate_table
+    from medsafe_nb.run.cost import BudgetReached
+    from medsafe_nb.run.estimate import estimate_run, estimate_table
     from medsafe_nb.core import RunStopped
     from medsafe_nb.models.batch import BatchTimeout
     revision = options.pop("revision", None)
@@ -178,7 +179,7 @@ def build(source:str=typer.Option(..., help="KIND:PATH of a question pool (kinds
           provenance_targets:Optional[str]=typer.Option(None, "--provenance-targets", help="with --assign natural: Neutral,Patient,Authority shares (default: the paper's 31.4,32.4,36.3)"),
           reject_artefacts:bool=typer.Option(False, "--reject-artefacts", help="reject items whose true sentence stands out to the audit's context-only probes (reported either way)")):
     "Build a misleading-context benchmark from raw question pools (gate → generation → validation → export); resumable"
-    from medsafe_nb.construct.build import build_command
+    from medsafe_nb.construct.build_cli import build_command
     try: build_command(source=source, generator=generator, out=out, limit=limit, seed=seed, base_url=base_url, verifier=verifier,
                        verifier_base_url=verifier_base_url, retries=retries, wave_size=wave_size, max_new_tokens=max_new_tokens, progress=progress,
                        assign=assign, provenance_targets=provenance_targets, reject_artefacts=reject_artefacts)
@@ -240,7 +241,7 @@ def figures(params:str=typer.Option(..., "--params", "-p", help="params file (nb
 def estimate(params:str=typer.Argument(..., help="params file (nbs/analysis/params/*.yaml) or demo | smoke | paper"),
              prices:Optional[str]=typer.Option(None, "--prices", help="price table (YAML, each row with its source and date); default: the one shipped with medsafe_nb")):
     "Print what the runs of a params file would cost: per model, prompts missing from the ledger, tokens, live and batch cost (asks no model anything)"
-    from medsafe_nb.run.cost import estimate_params, estimate_table
+    from medsafe_nb.run.estimate import estimate_params, estimate_table
     try: typer.echo(estimate_table(estimate_params(params, prices)))
     except MedsafeError as e: _fail(e)
 

@@ -85,7 +85,7 @@ SEARCH_STATUSES = ("ok", "no_evidence", "evidence_limit", "tool_limit", "search_
 
 # %% ../nbs/00_core.ipynb #18bb297e
 SCORINGS = ("generate", "logprob", "options")          # free reply and extraction, option-key log-probabilities, option-text likelihoods (lm-eval multiple_choice)
-MITIGATIONS = ("none", "warning", "search", "warning+search", "claim-check", "consistency")  # defences a run can switch on (search: medsafe_nb.mitigate.defences; claim-check and consistency: follow-up requests, medsafe_nb.run.runner)
+MITIGATIONS = ("none", "warning", "search", "warning+search", "claim-check", "consistency")  # defences a run can switch on (search: medsafe_nb.mitigate.defences; claim-check and consistency: follow-up requests, medsafe_nb.run.predict)
 FORMATS = ("mcq", "open")                              # the options shown (the paper) | not shown: a free-text reply, graded to an option or none
 DELIVERIES = ("inline", "dialogue")                    # the context before the question | in an earlier user turn, in its framing's voice
 ENGINES = ("inprocess", "vllm")                        # how an hf: model runs: in this process, or behind a vLLM server

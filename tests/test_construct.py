@@ -17,7 +17,8 @@ from medsafe_nb.models.base import make_backend
 from medsafe_nb.testing.doubles import ScriptedBackend
 from medsafe_nb.construct.gate import ConstructConfig
 from medsafe_nb.construct.checks import REJECTION_REASONS
-from medsafe_nb.construct.build import OUTPUT_FILES, build_command, construct_benchmark, read_sources
+from medsafe_nb.construct.build import OUTPUT_FILES, construct_benchmark
+from medsafe_nb.construct.build_cli import build_command, read_sources
 import medsafe_nb.construct.build as build_module
 
 REPO = Path(__file__).resolve().parents[1]

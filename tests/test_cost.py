@@ -71,7 +71,7 @@ def test_max_cost_stops_within_one_request_and_resumes(tmp_path):
         assert spent <= 1.0 < spent + worst                               # never crossed; stopped within one request of it
         assert f"spent ${spent:,.4f}" in str(e.value)
         assert not (tmp_path / "run" / "run.json").exists()             # not committed: the run did not end
-        from medsafe_nb.run.cost import estimate_run
+        from medsafe_nb.run.estimate import estimate_run
         from medsafe_nb.run.config import RunConfig
         est = estimate_run(RunConfig(**kw))                                # the dry run now counts what the ledger holds
         assert (est["prompts"], est["missing"], est["expected_from"]) == (24, 24 - asked, f"ledger ({asked} answers)")
@@ -159,7 +159,7 @@ def test_adaptive_concurrency_halves_under_429_storm_and_recovers():
 def test_estimate_counts_with_a_local_models_tokenizer(tiny_model_dir):
     "A local hf: folder brings its tokenizer: the estimate's input tokens are its exact counts, chat template included"
     from transformers import AutoTokenizer
-    from medsafe_nb.run.cost import estimate_run
+    from medsafe_nb.run.estimate import estimate_run
     from medsafe_nb.run.config import RunConfig
     from medsafe_nb.items.release import load_medmisbench
     from medsafe_nb.protocols import build_prompts

@@ -104,6 +104,7 @@ INSPECT_API = textwrap.dedent('''
         return out
     log = inspect_eval(medmisbench(condition=cond, limit=4), model=get_model("mockllm/model", custom_outputs=reply),
                        log_dir=tempfile.mkdtemp(), display="none")[0]
+    if log.status != "success": sys.exit(f"inspect eval ended {log.status}: {log.error}")   # the task's own error, not a None deep below
     print(json.dumps({m.name: m.value for s in log.results.scores for m in s.metrics.values()}))
 ''')
 

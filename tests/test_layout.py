@@ -151,3 +151,22 @@ def test_the_lane_check_sees_imports_inside_functions():
     src = "def f():\n    from medsafe_nb.run.runner import run\n    return run\n"
     node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom))
     assert _resolve(PKG / "items" / "x.py", node) == "run.runner" and LANE_ORDER["run"] > LANE_ORDER["items"]
+
+
+NBS = PKG.parent / "nbs"
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_over_500_lines():
+    "A module holds one idea: past 500 lines it is split (the index `_modidx.py` is generated data)"
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_library_notebook_prefixes_are_unique():
+    "A library notebook's number names it across every lane (the papermill analyses in `analysis/` number their own steps)"
+    seen = {}
+    for nb in sorted(NBS.rglob("*.ipynb")):
+        if "analysis" in nb.relative_to(NBS).parts or nb.name == "index.ipynb" or ".ipynb_checkpoints" in nb.parts: continue
+        seen.setdefault(nb.name.split("_")[0], []).append(str(nb.relative_to(NBS)))
+    assert not {p: v for p, v in seen.items() if len(v) > 1}, seen

@@ -8,7 +8,8 @@ import pytest
 from medsafe_nb.core import SEARCH_STATUSES, ConfigError
 from medsafe_nb.items.release import load_medmisbench
 from medsafe_nb.models.base import make_backend, GenRequest
-from medsafe_nb.run.runner import run_benchmark, run
+from medsafe_nb.run.predict import run_benchmark
+from medsafe_nb.run.runner import run
 from medsafe_nb.testing.mockserver import MockServer
 from medsafe_nb.mitigate import defences as M, search as S
 from medsafe_nb.items import subset as SUB

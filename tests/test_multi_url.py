@@ -7,7 +7,7 @@ from medsafe_nb.models.openai import OpenAIBackend
 from medsafe_nb.models.base import GenRequest
 from medsafe_nb.items.release import load_medmisbench
 from medsafe_nb.testing.mockserver import MockServer
-from medsafe_nb.run.runner import run_benchmark
+from medsafe_nb.run.predict import run_benchmark
 
 CONCURRENCY = 4
 

@@ -18,8 +18,8 @@ def sample():
 
 @pytest.fixture(scope="module")
 def option_rows(tiny_backend, sample):
-    from medsafe_nb.run.runner import run_benchmark
-    return run_benchmark(sample, tiny_backend, CONDITIONS, scoring="options", progress=False)
+    from medsafe_nb.run.predict import run_benchmark
+    return run_benchmark(sample, tiny_backend, conditions=CONDITIONS, scoring="options", progress=False)
 
 
 def test_rows_follow_acc_and_acc_norm(option_rows, sample):
@@ -57,11 +57,11 @@ def test_controls_render_and_run(option_rows, sample):
 
 def test_option_scoring_is_refused_where_it_cannot_run(tiny_backend, sample):
     from medsafe_nb.models.base import make_backend
-    from medsafe_nb.run.runner import run_benchmark
+    from medsafe_nb.run.predict import run_benchmark
     with pytest.raises(ConfigError, match="cannot score option texts"):
-        run_benchmark(sample[:2], make_backend("minilm"), ("clean",), scoring="options", progress=False)
+        run_benchmark(sample[:2], make_backend("minilm"), conditions=("clean",), scoring="options", progress=False)
     with pytest.raises(ConfigError, match="option scoring reads the option text"):
-        run_benchmark(sample[:2], tiny_backend, ("clean",), scoring="options", prompt="paper", progress=False)
+        run_benchmark(sample[:2], tiny_backend, conditions=("clean",), scoring="options", prompt="paper", progress=False)
 
 
 def test_metrics_tables_hold_the_baseline_and_controls(option_rows):

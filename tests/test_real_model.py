@@ -62,12 +62,12 @@ def test_cli_run_records_the_file_hash(smollm2_checkpoint, tmp_path):
 
 def test_paper_prompt_through_the_real_chat_template(smollm2, items):
     "The paper protocol on a few items: each reply parsed, or kept with its honest status"
-    from medsafe_nb.run.runner import run_benchmark
+    from medsafe_nb.run.predict import run_benchmark
     from medsafe_nb.protocols import build_prompts
     p = build_prompts(items[:1], ["clean"], prompt="paper")[0]
     text = smollm2.prompt_text(p.messages)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")   # SmolLM2's own template
-    df = run_benchmark(items[:3], smollm2, ["clean"], scoring="generate", prompt="paper", progress=False)
+    df = run_benchmark(items[:3], smollm2, conditions=["clean"], scoring="generate", prompt="paper", progress=False)
     assert len(df) == 3 and set(df.status) <= set(STATUSES) and (df.status != "error").all()
     for _, r in df.iterrows():
         assert r.raw.strip()                                                # the reply is kept, whatever it is
@@ -79,13 +79,13 @@ def test_paper_prompt_through_the_real_chat_template(smollm2, items):
 @pytest.mark.parametrize("scoring", ["logprob", "options"])
 def test_scoring_is_deterministic_and_batch_independent(smollm2, items, scoring):
     from medsafe_nb.models.base import make_backend
-    from medsafe_nb.run.runner import run_benchmark
-    first = run_benchmark(items, smollm2, CONDITIONS, scoring=scoring, progress=False)
-    again = run_benchmark(items, smollm2, CONDITIONS, scoring=scoring, progress=False)     # own in-memory ledger: computed again
+    from medsafe_nb.run.predict import run_benchmark
+    first = run_benchmark(items, smollm2, conditions=CONDITIONS, scoring=scoring, progress=False)
+    again = run_benchmark(items, smollm2, conditions=CONDITIONS, scoring=scoring, progress=False)     # own in-memory ledger: computed again
     assert len(first) == len(items) * len(CONDITIONS) and (first.status == "ok").all()
     assert first.raw.tolist() == again.raw.tolist() and first.pred.tolist() == again.pred.tolist()
     one = make_backend("smollm2", batch_size=1)
-    try: single = run_benchmark(items, one, CONDITIONS, scoring=scoring, progress=False)
+    try: single = run_benchmark(items, one, conditions=CONDITIONS, scoring=scoring, progress=False)
     finally: one.close()
     for a, b in zip(first.raw, single.raw):
         va, vb = json.loads(a), json.loads(b)
@@ -129,22 +129,22 @@ def test_vllm_serves_the_cached_copy_and_agrees(smollm2_checkpoint, items, tmp_p
     py = vllm_python_or_skip()
     from medsafe_nb.models.hf import HFBackend
     from medsafe_nb.models.vllm import vllm_backend
-    from medsafe_nb.run.runner import run_benchmark
+    from medsafe_nb.run.predict import run_benchmark
     from medsafe_nb.models.base import ScoreRequest
     from medsafe_nb.protocols import build_prompts
     local = HFBackend(str(smollm2_checkpoint.folder), max_new_tokens=16, dtype="float32")
     served = vllm_backend(f"hf:{smollm2_checkpoint.folder}", tmp_path, model_args={"dtype": "float32", "max_model_len": 2048},
                           vllm_python=py, max_new_tokens=16)
     try:
-        texts = {name: run_benchmark(items, b, ["clean", "type1"], scoring="generate", progress=False).raw.tolist()
+        texts = {name: run_benchmark(items, b, conditions=["clean", "type1"], scoring="generate", progress=False).raw.tolist()
                  for name, b in (("vllm", served), ("inprocess", local))}
-        scores = {name: run_benchmark(items, b, ["clean", "type1"], scoring="logprob", progress=False)
+        scores = {name: run_benchmark(items, b, conditions=["clean", "type1"], scoring="logprob", progress=False)
                   for name, b in (("vllm", served), ("inprocess", local))}
         prompts = build_prompts(items, ["clean", "type1"])
         by_id = {it.id: it for it in items}
         reqs = [ScoreRequest(p.messages, p.keys, prefix="", continuations=tuple(by_id[p.item_id].options[k] for k in p.keys)) for p in prompts]
         options = {name: dict(b.score(reqs)) for name, b in (("vllm", served), ("inprocess", local))}
-        opt_runs = {name: run_benchmark(items, b, ["clean", "type1"], scoring="options", progress=False)
+        opt_runs = {name: run_benchmark(items, b, conditions=["clean", "type1"], scoring="options", progress=False)
                     for name, b in (("vllm", served), ("inprocess", local))}
     finally:
         served.close(); local.close()

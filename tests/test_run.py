@@ -6,7 +6,8 @@ import pytest
 
 from medsafe_nb.protocols import type1_target
 from medsafe_nb.items.release import load_medmisbench
-from medsafe_nb.run.runner import PREDICTION_COLUMNS, STATUSES
+from medsafe_nb.core import STATUSES
+from medsafe_nb.run.predictions import PREDICTION_COLUMNS
 
 MEDSAFE = [sys.executable, "-m", "medsafe_nb.cli"]
 LIMIT = 12

@@ -82,7 +82,7 @@ def test_server_record(served):
 
 
 def test_generate_statuses_tokens_and_determinism(served):
-    from medsafe_nb.run.runner import run_benchmark
+    from medsafe_nb.run.predict import run_benchmark
     items = sample_items()
     first = run_benchmark(items, served, scoring="generate", max_new_tokens=MAX_NEW, progress=False)
     second = run_benchmark(items, served, scoring="generate", max_new_tokens=MAX_NEW, progress=False)  # own in-memory ledger: asked again
@@ -96,7 +96,7 @@ def test_generate_statuses_tokens_and_determinism(served):
 
 
 def test_logprob_scoring(served):
-    from medsafe_nb.run.runner import run_benchmark
+    from medsafe_nb.run.predict import run_benchmark
     items = sample_items()
     df = run_benchmark(items, served, scoring="logprob", progress=False)
     again = run_benchmark(items, served, scoring="logprob", progress=False)

@@ -47,6 +47,44 @@ def _crosses(p:np.ndarray, q:np.ndarray, # segment ends, pixels
     "Whether the segment p→q passes through `box`"
     return any(box.contains(*(p + (q - p) * t)) for t in np.linspace(0, 1, steps)[1:])
 
+# %% ../../nbs/figures/12a_placement.ipynb #eafcda3e
+def _best_slot(p:np.ndarray,      # the point, pixels
+               w:float, h:float,  # label size, points
+               k:float,           # pixels per point
+               frame:Bbox,        # the axes' box, pixels
+               taken:list,        # pixel boxes of labels already placed
+               others:list,       # pixel boxes of every other marker
+               bars:Sequence[Bbox], # pixel boxes avoided where they can be (error bars)
+              )->tuple:           # (cost, ring, offset in points, label box, leader end)
+    "The cheapest slot around a point, ring by ring outwards, stopping at the first ring with a free slot"
+    best = None
+    for ring in LABEL_RINGS:
+        for d in (_DIRECTIONS[:8] if ring == LABEL_RINGS[0] else _DIRECTIONS):
+            x0, y0 = _corner(w, h, ring, *d)
+            box = Bbox.from_bounds(p[0] + x0 * k, p[1] + y0 * k, w * k, h * k)
+            q = np.array([min(max(p[0], box.x0), box.x1), min(max(p[1], box.y0), box.y1)])  # the leader's end
+            cost = 1000 * (box.x0 < frame.x0 or box.x1 > frame.x1 or box.y0 < frame.y0 or box.y1 > frame.y1)
+            cost += 100 * sum(box.overlaps(b) for b in taken) + 100 * sum(box.overlaps(m) for m in others)
+            if ring > LABEL_RINGS[0]:
+                cost += 100 * sum(_crosses(p, q, b) for b in taken) + 10 * sum(_crosses(p, q, m) for m in others)
+            cost += sum(box.overlaps(b) for b in bars)   # error bars: avoided, not at any price
+            if best is None or cost < best[0]: best = (cost, ring, (x0, y0), box, q)
+        if best[0] == 0: break
+    return best
+
+# %% ../../nbs/figures/12a_placement.ipynb #eb7d22d0
+def _draw_leader(ax:plt.Axes,     # the axes
+                 p:np.ndarray,    # the point, pixels
+                 q:np.ndarray,    # the leader's end on the label box, pixels
+                 marker_pt:float, # marker half-size, points
+                 k:float,         # pixels per point
+                ):
+    "A thin leader from the marker's edge to its label"
+    u = (q - p) / max(np.hypot(*(q - p)), 1e-9)
+    a, b = ax.transData.inverted().transform(np.vstack([p + u * marker_pt * k, q]))
+    leader = Line2D([a[0], b[0]], [a[1], b[1]], lw=0.5, color="0.5", zorder=5)
+    leader.set_in_layout(False); ax.add_line(leader)
+
 # %% ../../nbs/figures/12a_placement.ipynb #5d402966
 def place_labels(ax:plt.Axes, # axes with fixed limits and a settled layout
                  xs:Sequence[float], ys:Sequence[float], # the points, in data coordinates
@@ -71,26 +109,9 @@ def place_labels(ax:plt.Axes, # axes with fixed limits and a settled layout
         t.set_in_layout(False)
         ext = Text.get_window_extent(t, r); w, h = ext.width / k, ext.height / k
         others = [m for c, m in zip(every, marks) if not np.allclose(c, p)]   # every marker but its own
-        best = None
-        for ring in LABEL_RINGS:
-            for d in (_DIRECTIONS[:8] if ring == LABEL_RINGS[0] else _DIRECTIONS):
-                x0, y0 = _corner(w, h, ring, *d)
-                box = Bbox.from_bounds(p[0] + x0 * k, p[1] + y0 * k, w * k, h * k)
-                q = np.array([min(max(p[0], box.x0), box.x1), min(max(p[1], box.y0), box.y1)])  # the leader's end
-                cost = 1000 * (box.x0 < frame.x0 or box.x1 > frame.x1 or box.y0 < frame.y0 or box.y1 > frame.y1)
-                cost += 100 * sum(box.overlaps(b) for b in taken) + 100 * sum(box.overlaps(m) for m in others)
-                if ring > LABEL_RINGS[0]:
-                    cost += 100 * sum(_crosses(p, q, b) for b in taken) + 10 * sum(_crosses(p, q, m) for m in others)
-                cost += sum(box.overlaps(b) for b in bars)   # error bars: avoided, not at any price
-                if best is None or cost < best[0]: best = (cost, ring, (x0, y0), box, q)
-            if best[0] == 0: break
-        _, ring, t.xyann, box, q = best
+        _, ring, t.xyann, box, q = _best_slot(p, w, h, k, frame, taken, others, bars)
         taken.append(box.padded(1.5 * k))
-        if ring > LABEL_RINGS[0]:  # moved off its point: a leader from the marker's edge to the label
-            u = (q - p) / max(np.hypot(*(q - p)), 1e-9)
-            a, b = ax.transData.inverted().transform(np.vstack([p + u * marker_pt * k, q]))
-            leader = Line2D([a[0], b[0]], [a[1], b[1]], lw=0.5, color="0.5", zorder=5)
-            leader.set_in_layout(False); ax.add_line(leader)
+        if ring > LABEL_RINGS[0]: _draw_leader(ax, p, q, marker_pt, k)   # moved off its point: a leader to the label
         texts.append(t)
     return texts
 

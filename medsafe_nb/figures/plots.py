@@ -336,6 +336,46 @@ def _bar_note(source:str, present:bool, value:float, n:float)->str:
     if pd.isna(value): return "no clean-correct item" if source == "this run" else "no value"
     return "" if pd.isna(n) else f"n={int(n)}"
 
+# %% ../../nbs/figures/12_plots.ipynb #b31a99e0
+def _breakdown_run_rows(run:pd.DataFrame|None, # this run's `breakdowns`
+                        model:str,             # the model asked for
+                       )->tuple[pd.DataFrame, str]: # its rows, and the model they are of
+    "The rows of the model asked for; the Mean row under its shared-items name, or else the first model, when it has none"
+    r = pd.DataFrame() if run is None else run[run.model == model]
+    if run is not None and r.empty and model == "Mean" and run.model.map(_is_mean).any():
+        model = run.model[run.model.map(_is_mean)].iloc[0]; r = run[run.model == model]
+    if run is not None and r.empty and len(run): r = run[run.model == run.model.iloc[0]]; model = run.model.iloc[0]
+    return r, model
+
+# %% ../../nbs/figures/12_plots.ipynb #127abb98
+def _breakdown_panel(ax:plt.Axes,      # the dimension's panel
+                     dim:str,          # the dimension: provenance, content or split
+                     f:pd.DataFrame,   # its `_breakdown_frame`
+                     sides:list,       # (source, bar offset) of the sources drawn
+                     h:float,          # bar height
+                    ):
+    "Draw one dimension's bars, this run's intervals and the note beside each bar"
+    keys = list(dict.fromkeys(f.key))
+    names = {k: f[f.key == k].category.iloc[0] for k in keys}
+    for s, off in sides:
+        g = f[f.source == s].drop_duplicates("key").set_index("key").reindex(keys)
+        y = np.arange(len(keys)) + off
+        ax.barh(y, g.value.fillna(0), height=h, color=SOURCE_COLORS[s], label=s)
+        if s == "this run" and "lo" in g and g.lo.notna().any():
+            ax.errorbar(g.value, y, xerr=np.vstack([(g.value - g.lo).clip(lower=0), (g.hi - g.value).clip(lower=0)]),
+                        fmt="none", ecolor="0.15", elinewidth=0.8, capsize=1.5)
+        for k, yy in zip(keys, y):
+            row = g.loc[k]
+            note = _bar_note(s, not pd.isna(row.source), row.value, row.n)
+            at = row.hi if s == "this run" and "hi" in g and not pd.isna(row.hi) else row.value
+            ax.annotate(note, (0 if pd.isna(at) else at, yy), xytext=(3, 0), textcoords="offset points", ha="left",
+                        va="center", fontsize=7, color="0.3" if not pd.isna(row.value) else "0.45",
+                        style="normal" if not pd.isna(row.value) else "italic")
+    ax.set_yticks(range(len(keys)), [names[k] for k in keys])
+    ax.set_ylim(len(keys) - 0.5, -0.5)
+    ax.set_title(dim, loc="left")
+    ax.grid(axis="y", visible=False)
+
 # %% ../../nbs/figures/12_plots.ipynb #764a4311
 def plot_breakdowns(run:pd.DataFrame|None, # this run's `breakdowns`
                     paper:pd.DataFrame|None=None, # the paper's breakdowns (`paper_reference()["breakdowns"]`)
@@ -344,10 +384,7 @@ def plot_breakdowns(run:pd.DataFrame|None, # this run's `breakdowns`
                     dimensions:Sequence[str]=("provenance", "content", "split"), # panels
                    )->plt.Figure:
     "Horizontal bars of a metric per category, this run beside the paper, one panel per dimension, with n per bar"
-    r = pd.DataFrame() if run is None else run[run.model == model]
-    if run is not None and r.empty and model == "Mean" and run.model.map(_is_mean).any():
-        model = run.model[run.model.map(_is_mean)].iloc[0]; r = run[run.model == model]
-    if run is not None and r.empty and len(run): r = run[run.model == run.model.iloc[0]]; model = run.model.iloc[0]
+    r, model = _breakdown_run_rows(run, model)
     p = pd.DataFrame() if paper is None else paper
     dims = [dim for dim in dimensions if (len(r) and (r.dimension == dim).any()) or (len(p) and (p.dimension == dim).any())]
     if not dims: raise MetricsError("plot_breakdowns: no rows to plot")
@@ -358,27 +395,7 @@ def plot_breakdowns(run:pd.DataFrame|None, # this run's `breakdowns`
                              gridspec_kw={"height_ratios": n}, layout="constrained", squeeze=False)
     h = 0.38
     sides = [(s, off) for s, off in (("paper", -h / 2), ("this run", h / 2)) if (len(p) if s == "paper" else len(r))]
-    for ax, (dim, f) in zip(axes[:, 0], frames):
-        keys = list(dict.fromkeys(f.key))
-        names = {k: f[f.key == k].category.iloc[0] for k in keys}
-        for s, off in sides:
-            g = f[f.source == s].drop_duplicates("key").set_index("key").reindex(keys)
-            y = np.arange(len(keys)) + off
-            ax.barh(y, g.value.fillna(0), height=h, color=SOURCE_COLORS[s], label=s)
-            if s == "this run" and "lo" in g and g.lo.notna().any():
-                ax.errorbar(g.value, y, xerr=np.vstack([(g.value - g.lo).clip(lower=0), (g.hi - g.value).clip(lower=0)]),
-                            fmt="none", ecolor="0.15", elinewidth=0.8, capsize=1.5)
-            for k, yy in zip(keys, y):
-                row = g.loc[k]
-                note = _bar_note(s, not pd.isna(row.source), row.value, row.n)
-                at = row.hi if s == "this run" and "hi" in g and not pd.isna(row.hi) else row.value
-                ax.annotate(note, (0 if pd.isna(at) else at, yy), xytext=(3, 0), textcoords="offset points", ha="left",
-                            va="center", fontsize=7, color="0.3" if not pd.isna(row.value) else "0.45",
-                            style="normal" if not pd.isna(row.value) else "italic")
-        ax.set_yticks(range(len(keys)), [names[k] for k in keys])
-        ax.set_ylim(len(keys) - 0.5, -0.5)
-        ax.set_title(dim, loc="left")
-        ax.grid(axis="y", visible=False)
+    for ax, (dim, f) in zip(axes[:, 0], frames): _breakdown_panel(ax, dim, f, sides, h)
     axes[-1, 0].set_xlim(0, 112)
     axes[-1, 0].set_xticks(range(0, 101, 20))
     axes[-1, 0].set_xlabel(f"{_METRIC_NAMES.get(metric, metric)} (%); n = clean-correct items (this run), items (paper)")

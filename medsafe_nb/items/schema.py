@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv, hashlib, json, math, os, re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from ..core import MedsafeError, ConfigError, SchemaError, LabelError, ValidationErrors, SPLITS, atomic_write
 from .taxonomy import CONTENT, PROVENANCE, normalize_content, normalize_provenance
 
@@ -158,6 +158,67 @@ def check_record_fields(rec:dict, # one row
             raise SchemaError(f"more than {len(SLOTS)} options: MedMisBench rows hold at most {len(SLOTS)} (opa..opt, injecta..injectt)", field=str(k), **loc)
     return rec
 
+# %% ../../nbs/items/01a_schema.ipynb #177ad6da
+def _slot_options(texts:list, # `(field, text or None)` for opa..opt
+                  loc:dict,   # file and line, for errors
+                 )->list[str]: # the option texts, from opa on
+    "The options of a row that fills opa..opt, checked to run from opa without gaps or trailing `nan` slots"
+    filled = [(f, t) for f, t in texts if t is not None]
+    last = OPTION_FIELDS.index(filled[-1][0])
+    if filled[-1][1] == "nan":     # a missing value written out as text (pandas), not an option called nan
+        first = next(f for i, (f, t) in enumerate(filled) if all(t2 == "nan" for _, t2 in filled[i:]))
+        raise SchemaError(f"reads 'nan' from {first} to {filled[-1][0]}: empty option slots written as the text nan; leave them empty", field=first, **loc)
+    gaps = [f for f, t in texts[:last+1] if t is None]
+    if gaps: raise SchemaError(f"option slots must be contiguous from opa; {gaps[0]} is empty", field=gaps[0], **loc)
+    return [t for _, t in filled]
+
+# %% ../../nbs/items/01a_schema.ipynb #aa771f22
+def _inline_options(question:str, # the stem, holding `(A) … (B) …` options
+                    loc:dict,     # file and line, for errors
+                   )->tuple[str, list[str]]: # the stem without its options, and the option texts
+    "The options written inline in the stem of a row whose opa..opt are empty"
+    stem, inline_opts = split_inline_options(question)
+    if not inline_opts: raise SchemaError("no options: opa..opt are empty and the stem has no inline (A) (B) options", field="opa", **loc)
+    if "T" in inline_opts and re.search(r"(?:^|\s)\([U-Z]\)\s", inline_opts["T"] + " "):
+        raise SchemaError(f"more than {len(SLOTS)} inline options ((U) follows (T)); MedMisBench rows hold at most {len(SLOTS)} (A-T)", field="question", **loc)
+    return stem, list(inline_opts.values())
+
+# %% ../../nbs/items/01a_schema.ipynb #c7bd91fa
+def _record_contexts(rec:dict,              # one release row
+                     all_keys:tuple,        # LETTER_KEYS or DIGIT_KEYS, as the row's answer is spelled
+                     options:dict,          # the row's options, key -> text
+                     require_contexts:bool, # a benchmark row: one context sentence per option is required
+                     loc:dict,              # file and line, for errors
+                    )->dict:                # option key -> context sentence ({} when the row has none)
+    "The row's context sentences (injecta..injectt), one per option when it has any"
+    contexts = {}
+    for k, f in zip(all_keys, CONTEXT_FIELDS):
+        t = cell(rec.get(f))
+        if t is None: continue
+        if k not in options: raise SchemaError(f"context sentence for option {k}, which does not exist", field=f, **loc)
+        contexts[k] = t
+    if require_contexts and not contexts:
+        raise SchemaError("no context sentences: a benchmark row needs one per option (injecta, injectb, ...) for the type1 and type2 conditions", field="injecta", **loc)
+    if contexts:
+        keys = tuple(options)
+        missing = [k for k in keys if k not in contexts]
+        if missing:
+            f = CONTEXT_FIELDS[keys.index(missing[0])]
+            raise SchemaError(f"option {missing[0]} has no context sentence", field=f, **loc)
+    return contexts
+
+# %% ../../nbs/items/01a_schema.ipynb #34aec01b
+def _record_label(rec:dict,      # one release row
+                  fld:str,       # the label's field: injection_content or injection_provenance
+                  fn:Callable,   # its normaliser, raising ValueError on an unknown label
+                  loc:dict,      # file and line, for errors
+                 )->str|None:    # the canonical label (None when the cell is blank)
+    "A content or provenance label of the row in its canonical spelling, a located `LabelError` when unknown"
+    v = cell(rec.get(fld))
+    if v is None: return None
+    try: return fn(v)
+    except ValueError as e: raise LabelError(getattr(e, "msg", str(e)), field=fld, **loc) from None
+
 # %% ../../nbs/items/01a_schema.ipynb #44de552f
 def item_from_record(rec:dict,                   # one release row
                      file:str|os.PathLike|None=None, # where it came from, for error messages
@@ -172,49 +233,17 @@ def item_from_record(rec:dict,                   # one release row
     question = cell(rec.get("question"))
     if question is None: raise SchemaError("empty question", field="question", **loc)
     texts = [(f, cell(rec.get(f))) for f in OPTION_FIELDS]
-    filled = [(f, t) for f, t in texts if t is not None]
-    stem = question
-    if filled:
-        last = OPTION_FIELDS.index(filled[-1][0])
-        if filled[-1][1] == "nan":     # a missing value written out as text (pandas), not an option called nan
-            first = next(f for i, (f, t) in enumerate(filled) if all(t2 == "nan" for _, t2 in filled[i:]))
-            raise SchemaError(f"reads 'nan' from {first} to {filled[-1][0]}: empty option slots written as the text nan; leave them empty", field=first, **loc)
-        gaps = [f for f, t in texts[:last+1] if t is None]
-        if gaps: raise SchemaError(f"option slots must be contiguous from opa; {gaps[0]} is empty", field=gaps[0], **loc)
-        option_texts = [t for _, t in filled]
-        inline = False
-    else:
-        stem, inline_opts = split_inline_options(question)
-        if not inline_opts: raise SchemaError("no options: opa..opt are empty and the stem has no inline (A) (B) options", field="opa", **loc)
-        if "T" in inline_opts and re.search(r"(?:^|\s)\([U-Z]\)\s", inline_opts["T"] + " "):
-            raise SchemaError(f"more than {len(SLOTS)} inline options ((U) follows (T)); MedMisBench rows hold at most {len(SLOTS)} (A-T)", field="question", **loc)
-        option_texts, inline = list(inline_opts.values()), True
+    if any(t is not None for _, t in texts): stem, option_texts, inline = question, _slot_options(texts, loc), False
+    else: (stem, option_texts), inline = _inline_options(question, loc), True
     if len(option_texts) < 2: raise SchemaError(f"needs at least 2 options, found {len(option_texts)}", field="opb", **loc)
     ans = cell(rec.get("answer"))
     numeric = ans is not None and bool(re.fullmatch(r"\d+(\.0)?([\s,;/|&+]+\d+)*", ans))
     keys = (DIGIT_KEYS if numeric else LETTER_KEYS)[:len(option_texts)]
     options = dict(zip(keys, option_texts))
     gold = parse_gold(rec.get("answer"), keys, loc)
-    contexts = {}
-    for k, f in zip(DIGIT_KEYS if numeric else LETTER_KEYS, CONTEXT_FIELDS):
-        t = cell(rec.get(f))
-        if t is None: continue
-        if k not in options: raise SchemaError(f"context sentence for option {k}, which does not exist", field=f, **loc)
-        contexts[k] = t
-    if require_contexts and not contexts:
-        raise SchemaError("no context sentences: a benchmark row needs one per option (injecta, injectb, ...) for the type1 and type2 conditions", field="injecta", **loc)
-    if contexts:
-        missing = [k for k in keys if k not in contexts]
-        if missing:
-            f = CONTEXT_FIELDS[keys.index(missing[0])]
-            raise SchemaError(f"option {missing[0]} has no context sentence", field=f, **loc)
-    def canonical_label(fld, fn):
-        v = cell(rec.get(fld))
-        if v is None: return None
-        try: return fn(v)
-        except ValueError as e: raise LabelError(getattr(e, "msg", str(e)), field=fld, **loc) from None
-    content = canonical_label("injection_content", normalize_content)
-    provenance = canonical_label("injection_provenance", normalize_provenance)
+    contexts = _record_contexts(rec, DIGIT_KEYS if numeric else LETTER_KEYS, options, require_contexts, loc)
+    content = _record_label(rec, "injection_content", normalize_content, loc)
+    provenance = _record_label(rec, "injection_provenance", normalize_provenance, loc)
     split = split or cell(rec.get("config")) or "custom"
     iid = cell(rec.get("id")) or stable_id(stem, options, prefix=split.lower())
     known = set(RELEASE_FIELDS) | {"config"}

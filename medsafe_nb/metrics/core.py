@@ -58,6 +58,30 @@ def _as_key(s:pd.Series)->pd.Series:
     s = s.astype(object)
     return s.where(s.isna(), s.astype(str).str.strip()).where(s.notna(), None)
 
+# %% ../../nbs/metrics/11_core.ipynb #23ec8838
+def _check_vocabulary(df:pd.DataFrame, # a predictions table, keys normalised by `_as_key`
+                      source:str,      # where it came from, named in errors
+                     ):
+    "Raise on the first unknown condition or status, and on a type1 row without a target"
+    bad = ~df.condition.isin(ALL_CONDITIONS)
+    if bad.any():
+        fail_rows(bad, source, "condition", f"unknown condition {df.condition[bad].iloc[0]!r}; known: {', '.join(ALL_CONDITIONS)}")
+    bad = ~df.status.isin(STATUSES)
+    if bad.any():
+        fail_rows(bad, source, "status", f"unknown status {df.status[bad].iloc[0]!r}; known: {', '.join(STATUSES)}")
+    bad = df.condition.eq("type1") & df.target.isna()
+    if bad.any(): fail_rows(bad, source, "target", "a type1 row needs the key of its target option")
+
+# %% ../../nbs/metrics/11_core.ipynb #37b304bf
+def _normalise_sample(df:pd.DataFrame, # a predictions table with a `sample` column; normalised in place
+                      source:str,      # where it came from, named in errors
+                     ):
+    "Make `sample` an int column (a missing index is 0, a one-reply run's only reply); raise on anything but an integer >= 0"
+    df["sample"] = df["sample"].astype(object).where(df["sample"].notna(), 0)
+    bad = ~df["sample"].map(lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 or (isinstance(v, float) and v.is_integer() and v >= 0))
+    if bad.any(): fail_rows(bad, source, "sample", f"not a sample index (an integer >= 0): {df['sample'][bad].iloc[0]!r}")
+    df["sample"] = df["sample"].astype(int)
+
 # %% ../../nbs/metrics/11_core.ipynb #7a1aeb8a
 def validate_predictions(preds:pd.DataFrame, # a predictions table (docs/design.md#predictions-table)
                          source:str="predictions", # where it came from (a path), named in errors
@@ -75,25 +99,14 @@ def validate_predictions(preds:pd.DataFrame, # a predictions table (docs/design.
     for col in ("model", "item_id", "condition", "status"):
         if df[col].isna().any(): fail_rows(df[col].isna(), source, col, "missing value")
     for col in ("model", "item_id", "condition", "status", "target", "pred", "gold"): df[col] = _as_key(df[col])
-    bad = ~df.condition.isin(ALL_CONDITIONS)
-    if bad.any():
-        fail_rows(bad, source, "condition", f"unknown condition {df.condition[bad].iloc[0]!r}; known: {', '.join(ALL_CONDITIONS)}")
-    bad = ~df.status.isin(STATUSES)
-    if bad.any():
-        fail_rows(bad, source, "status", f"unknown status {df.status[bad].iloc[0]!r}; known: {', '.join(STATUSES)}")
-    bad = df.condition.eq("type1") & df.target.isna()
-    if bad.any(): fail_rows(bad, source, "target", "a type1 row needs the key of its target option")
+    _check_vocabulary(df, source)
     if not pd.api.types.is_bool_dtype(df.correct):
         ok = df.correct.isna() | df.correct.map(lambda v: isinstance(v, (bool, np.bool_)) or v in (0, 1))
         if not ok.all():
             fail_rows(~ok, source, "correct", f"not a boolean: {df.correct[~ok].iloc[0]!r}")
         df["correct"] = df.correct.map(lambda v: False if pd.isna(v) else bool(v)).astype(bool)
     keys = row_keys(df)
-    if "sample" in df.columns:                 # K replies per prompt (--samples): the sample index joins the key
-        df["sample"] = df["sample"].astype(object).where(df["sample"].notna(), 0)   # a one-reply run beside a K-sample one: its only reply
-        bad = ~df["sample"].map(lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 or (isinstance(v, float) and v.is_integer() and v >= 0))
-        if bad.any(): fail_rows(bad, source, "sample", f"not a sample index (an integer >= 0): {df['sample'][bad].iloc[0]!r}")
-        df["sample"] = df["sample"].astype(int)
+    if "sample" in df.columns: _normalise_sample(df, source)   # K replies per prompt (--samples): the sample index joins the key
     dup = df.duplicated(keys, keep=False)
     if dup.any():
         r = df[dup].iloc[0]

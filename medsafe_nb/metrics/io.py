@@ -10,7 +10,7 @@ __all__ = ['P_VALUE_COLUMNS', 'NOANSWER_WARN', 'EXTERNAL_FORMATS', 'EXTERNAL_TEX
 # %% ../../nbs/metrics/11c_io.ipynb #8da76369
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -241,19 +241,12 @@ def _row_key(r:dict, sampled:bool)->tuple:
     "What names one row: model × item × condition (× sample); `type1_all` also by its target (one row per wrong option)"
     return (r["model"], r["item_id"], r["condition"]) + ((r["sample"],) if sampled else ()) + ((r["target"],) if r["condition"] == "type1_all" else ())
 
-# %% ../../nbs/metrics/11c_io.ipynb #c9c0c7f6
-def read_external_predictions(path:str|Path, # a parquet, csv or jsonl file with the contract columns
-                             )->pd.DataFrame: # the validated predictions table
-    "A predictions table made elsewhere, checked as strictly as our own; errors name FILE:LINE: field"
-    from medsafe_nb.core import ALL_CONDITIONS, STATUSES
-    path = Path(path)
-    raw, first = _read_table_file(path)
-    if not len(raw): raise MetricsError(f"{path}: no rows: nothing to compute metrics from")
-    missing = [c for c in REQUIRED_COLUMNS if c not in raw.columns]
-    if missing: raise MetricsError(f"{path}: missing column(s) {', '.join(missing)}; the contract columns are {', '.join(REQUIRED_COLUMNS)}")
-    lines = raw.pop("_line").tolist() if "_line" in raw.columns else [first + i for i in range(len(raw))]
-    errors, cols = [], {}
-    def bad(i, field, msg): errors.append(f"{path}:{lines[i]}: field '{field}': {msg}")
+# %% ../../nbs/metrics/11c_io.ipynb #d9bd86d1
+def _typed_columns(raw:pd.DataFrame, # the file's rows, every cell as read
+                   bad:Callable,     # `bad(row, field, msg)` records a problem
+                  )->dict:           # column -> list of values
+    "The file's columns read by the contract: typed ones parsed (bad cells recorded), text ones stripped, others as read"
+    cols = {}
     for c in raw.columns:
         if c in EXTERNAL_TYPES:
             vals = []
@@ -264,6 +257,15 @@ def read_external_predictions(path:str|Path, # a parquet, csv or jsonl file with
             cols[c] = vals
         elif c in EXTERNAL_TEXT: cols[c] = [_cell_text(v) for v in raw[c]]
         else: cols[c] = list(raw[c])                        # a column outside the contract: kept as read
+    return cols
+
+# %% ../../nbs/metrics/11c_io.ipynb #93637793
+def _check_external_values(cols:dict,         # column -> values, from `_typed_columns`
+                           raw:pd.DataFrame,  # the file's rows, every cell as read
+                           bad:Callable,      # `bad(row, field, msg)` records a problem
+                          ):
+    "Record each missing value, unknown condition or status, type1 row without a target and `correct` that contradicts pred and gold"
+    from medsafe_nb.core import ALL_CONDITIONS, STATUSES
     for c in ("model", "item_id", "condition", "status", "gold"):
         for i, v in enumerate(cols[c]):
             if v is None: bad(i, c, "missing value")
@@ -278,9 +280,16 @@ def read_external_predictions(path:str|Path, # a parquet, csv or jsonl file with
     if "sample" in cols:
         for i, v in enumerate(cols["sample"]):
             if v is None and _blank(raw["sample"].iloc[i]): bad(i, "sample", "missing value (the sample index, an integer >= 0)")
-    gold_at, key_at = {}, {}
-    for i in range(len(raw)):
-        r = {c: cols[c][i] for c in ("model", "item_id", "condition", "target", "gold")} | {"sample": cols.get("sample", [None] * len(raw))[i]}
+
+# %% ../../nbs/metrics/11c_io.ipynb #89fdf407
+def _check_external_keys(cols:dict,   # column -> values, from `_typed_columns`
+                         lines:list,  # the file line of each row
+                         bad:Callable, # `bad(row, field, msg)` records a problem
+                        ):
+    "Record each item given two gold answers and each key (model × item × condition × sample) with more than one row"
+    n, gold_at, key_at = len(cols["model"]), {}, {}
+    for i in range(n):
+        r = {c: cols[c][i] for c in ("model", "item_id", "condition", "target", "gold")} | {"sample": cols.get("sample", [None] * n)[i]}
         if r["item_id"] is None or r["gold"] is None: continue
         g0 = gold_at.setdefault(r["item_id"], (r["gold"], i))
         if g0[0] != r["gold"]: bad(i, "gold", f"item {r['item_id']!r} has gold {r['gold']!r} here but {g0[0]!r} at line {lines[g0[1]]}: an item has one gold answer")
@@ -290,9 +299,11 @@ def read_external_predictions(path:str|Path, # a parquet, csv or jsonl file with
             bad(i, "item_id", f"more than one row for ({names}) = ({', '.join(map(repr, k))}); the first is at line {lines[key_at[k]]}: "
                               "the table has one row per model × item × condition × sample, whatever its other columns say")
         else: key_at[k] = i
-    if errors:
-        more = f"\n... and {len(errors) - 20} more" if len(errors) > 20 else ""
-        raise MetricsError(f"{path}: {len(errors)} problem(s) in the predictions file:\n" + "\n".join(errors[:20]) + more)
+
+# %% ../../nbs/metrics/11c_io.ipynb #e9f71b55
+def _external_frame(cols:dict, # checked column -> values
+                   )->pd.DataFrame: # the predictions table, before `validate_predictions`
+    "The checked columns as a predictions table: `correct` as bool, numbers in their dtypes, the columns a file may lack added empty"
     df = pd.DataFrame({c: pd.Series(v, dtype=object) for c, v in cols.items()})
     df["correct"] = df["correct"].astype(bool)
     for c in ("source", "content", "provenance", "raw"):  # columns the file lacks: `unlabelled` in the breakdowns; no reply text
@@ -302,7 +313,27 @@ def read_external_predictions(path:str|Path, # a parquet, csv or jsonl file with
     for c in ("p_gold", "p_target"):
         if c in df.columns: df[c] = df[c].astype("float64")
     if "sample" in df.columns: df["sample"] = df["sample"].astype(int)
-    return validate_predictions(df, source=str(path))
+    return df
+
+# %% ../../nbs/metrics/11c_io.ipynb #c9c0c7f6
+def read_external_predictions(path:str|Path, # a parquet, csv or jsonl file with the contract columns
+                             )->pd.DataFrame: # the validated predictions table
+    "A predictions table made elsewhere, checked as strictly as our own; errors name FILE:LINE: field"
+    path = Path(path)
+    raw, first = _read_table_file(path)
+    if not len(raw): raise MetricsError(f"{path}: no rows: nothing to compute metrics from")
+    missing = [c for c in REQUIRED_COLUMNS if c not in raw.columns]
+    if missing: raise MetricsError(f"{path}: missing column(s) {', '.join(missing)}; the contract columns are {', '.join(REQUIRED_COLUMNS)}")
+    lines = raw.pop("_line").tolist() if "_line" in raw.columns else [first + i for i in range(len(raw))]
+    errors = []
+    def bad(i, field, msg): errors.append(f"{path}:{lines[i]}: field '{field}': {msg}")
+    cols = _typed_columns(raw, bad)
+    _check_external_values(cols, raw, bad)
+    _check_external_keys(cols, lines, bad)
+    if errors:
+        more = f"\n... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise MetricsError(f"{path}: {len(errors)} problem(s) in the predictions file:\n" + "\n".join(errors[:20]) + more)
+    return validate_predictions(_external_frame(cols), source=str(path))
 
 # %% ../../nbs/metrics/11c_io.ipynb #b713b042
 METRICS_FILES = {f"{t}.{x}" for t in ("table1", "breakdowns", "mcnemar", "logprob", "tasr_baseline", "controls", "frame", "usage") for x in ("csv", "md", "tex")}

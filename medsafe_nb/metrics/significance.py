@@ -160,6 +160,20 @@ def tasr_baseline(preds:pd.DataFrame, # a predictions table
 CONTROL_COLUMNS = ["model", "n_items", "acc_clean", "acc_type1", "acc_type1_true", "acc_type1_placebo", "asr_type1",
                    "asr_type1_placebo", "asr_net", "p_gold_gain_true", "p_target_gain_type1", "p_target_gain_placebo"]
 
+# %% ../../nbs/metrics/11b_significance.ipynb #f885fc2d
+def _probability_shifts(df:pd.DataFrame,    # a validated predictions table with p_gold and p_target
+                        items:pd.DataFrame, # its `per_item_counts`
+                       )->dict:             # metric name -> (per-item shift, 1 where the item has both probabilities)
+    "Per-item shifts of P(gold) under type1_true and of P(target) under type1 and type1_placebo, from clean"
+    key = pd.MultiIndex.from_frame(items[["model", "item_id"]])
+    p = {c: df[df.condition == c].groupby(["model", "item_id"])[["p_gold", "p_target"]].mean().reindex(key)
+         for c in ("clean", "type1", "type1_true", "type1_placebo")}
+    def diff(c, k):
+        x = (p[c][k] - p["clean"][k]).to_numpy(dtype=float)
+        ok = ~np.isnan(x); return np.where(ok, x, 0.), ok.astype(float)
+    return dict(p_gold_gain_true=diff("type1_true", "p_gold"), p_target_gain_type1=diff("type1", "p_target"),
+                p_target_gain_placebo=diff("type1_placebo", "p_target"))
+
 # %% ../../nbs/metrics/11b_significance.ipynb #d1fb9d2f
 def control_table(preds:pd.DataFrame, # a predictions table with clean, type1 and the control conditions
                   n_boot:int=1000,    # bootstrap resamples (0: no intervals)
@@ -174,15 +188,7 @@ def control_table(preds:pd.DataFrame, # a predictions table with clean, type1 an
     spec = {"acc_clean": ("clean", "acc"), **{f"acc_{c}": (c, "acc") for c in ("type1", "type1_true", "type1_placebo")},
             "asr_type1": ("type1", "asr"), "asr_type1_placebo": ("type1_placebo", "asr")}
     paired = {f"{k}__both": tuple(a * both for a in metric_parts(items, spec[k])) for k in ("asr_type1", "asr_type1_placebo")}
-    if {"p_gold", "p_target"} <= set(df.columns):
-        key = pd.MultiIndex.from_frame(items[["model", "item_id"]])
-        p = {c: df[df.condition == c].groupby(["model", "item_id"])[["p_gold", "p_target"]].mean().reindex(key)
-             for c in ("clean", "type1", "type1_true", "type1_placebo")}
-        def diff(c, k):
-            x = (p[c][k] - p["clean"][k]).to_numpy(dtype=float)
-            ok = ~np.isnan(x); return np.where(ok, x, 0.), ok.astype(float)
-        spec.update(p_gold_gain_true=diff("type1_true", "p_gold"), p_target_gain_type1=diff("type1", "p_target"),
-                    p_target_gain_placebo=diff("type1_placebo", "p_target"))
+    if {"p_gold", "p_target"} <= set(df.columns): spec.update(_probability_shifts(df, items))
     metrics = {**spec, **paired}
     point = group_metrics(items, ["model"], metrics)
     groups, boot = bootstrap_groups(items, ["model"], metrics, n_boot, seed)   # Table 1's resamples: one interval per number

@@ -166,7 +166,7 @@ class WebSearchProvider(SearchProvider):
     def search(self, query:str, k:int=5)->SearchResult:
         "Call the API (with retries); failures end in status `error`"
         import httpx, tenacity
-        from medsafe_nb.models.http import wait_retry_after
+        from medsafe_nb.models.http_stream import wait_retry_after
         key, tries = self._key(), 0
         try:
             for attempt in tenacity.Retrying(stop=tenacity.stop_after_attempt(self.max_retries + 1), reraise=True,

@@ -9,7 +9,8 @@ from collections import Counter
 from typing import Callable, Iterator
 from ..core import MedsafeError, ConfigError, scrub_secrets, STOP
 from .base import GenRequest, Generation
-from .http import make_generation, status_of
+from .http import make_generation
+from .http_stream import status_of
 from .identity import BATCH_OPEN, BatchStore, request_key, request_payload
 
 # %% auto #0
@@ -307,6 +308,20 @@ class BatchBackend:
 from fastcore.basics import patch
 
 @patch
+def _open_batches(self:BatchBackend,
+                  identity:dict,  # the backend's identity
+                  pending:dict,   # request keys still unanswered
+                 )->list[dict]:   # ledger rows of the open batches holding a pending key, each with its batch id
+    "The open batches that hold a pending request; a batch whose id was never recorded is looked up, else marked lost"
+    rows = [b for b in self.ledger.batches(identity, BATCH_OPEN) if not pending.keys().isdisjoint(b["keys"])]
+    for b in [b for b in rows if b["batch_id"] is None]:                 # killed between writing the row and recording the id
+        bid = self.adapter.find(b, {r["batch_id"] for r in self.ledger.batches(identity) if r["batch_id"]})
+        self.ledger.update_batch(b["token"], batch_id=bid, state="submitted" if bid else "lost")
+        self.counts["found" if bid else "lost"] += 1; b["batch_id"] = bid
+    return [b for b in rows if b["batch_id"]]
+
+# %% ../../nbs/models/08d_batch.ipynb #2a1a8f8c
+@patch
 def generate(self:BatchBackend, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
     "Yield `(index, Generation)` for each request as its batch ends; batches recorded in the ledger, picked up again on rerun"
     identity = self._backend.identity()
@@ -314,12 +329,7 @@ def generate(self:BatchBackend, requests:list[GenRequest])->Iterator[tuple[int, 
     at, by_key = {k: i for i, k in enumerate(keys)}, {k: r for k, r in zip(keys, requests)}
     pending, tries, mine = dict.fromkeys(keys), Counter(), set()
     while pending:
-        rows = [b for b in self.ledger.batches(identity, BATCH_OPEN) if not pending.keys().isdisjoint(b["keys"])]
-        for b in [b for b in rows if b["batch_id"] is None]:                 # killed between writing the row and recording the id
-            bid = self.adapter.find(b, {r["batch_id"] for r in self.ledger.batches(identity) if r["batch_id"]})
-            self.ledger.update_batch(b["token"], batch_id=bid, state="submitted" if bid else "lost")
-            self.counts["found" if bid else "lost"] += 1; b["batch_id"] = bid
-        rows = [b for b in rows if b["batch_id"]]
+        rows = self._open_batches(identity, pending)
         for b in rows:
             if b["token"] not in mine: mine.add(b["token"]); self.counts["adopted"] += 1     # a batch of an earlier run, polled again
         covered = {k for b in rows for k in b["keys"]}

@@ -5,6 +5,7 @@
 # %% ../../nbs/models/08f_gemini.ipynb #a8f0c003
 from __future__ import annotations
 import re
+from fastcore.basics import patch as fc_patch   # (the notebook's tests use unittest.mock's patch)
 from ..core import ConfigError
 from .base import GenRequest, Generation
 from .http import APIBackend, EFFORT_BUDGET, make_generation, require_sdk, system_and_turns, tool_arguments
@@ -12,7 +13,8 @@ from ..protocols import provider_messages, gemini_response_schema   # the paper 
 
 # %% auto #0
 __all__ = ['GEMINI_REFUSALS', 'GEMINI_LEVEL', 'GEMINI_HARM_CATEGORIES', 'GEMINI_THRESHOLDS', 'gemini_contents', 'gemini_tools',
-           'gemini_generation', 'gemini_safety_settings', 'gemini_major', 'GeminiBackend']
+           'gemini_generation', 'gemini_safety_settings', 'gemini_major', 'GeminiBackend', 'thinking_config',
+           'content_params']
 
 # %% ../../nbs/models/08f_gemini.ipynb #13151b84
 def gemini_contents(messages, # chat messages, tool calls and results in OpenAI's wire format
@@ -127,43 +129,59 @@ class GeminiBackend(APIBackend):
         if self.include_thoughts is not None: d["include_thoughts"] = self.include_thoughts
         return d
 
-    def thinking_config(self)->dict|None:
-        "The `thinking_config` for the reasoning effort (see the table above)"
-        e = self.reasoning_effort
-        if e is None: return None
-        if isinstance(e, int): cfg = {"thinking_budget": e}
-        elif (gemini_major(self.model) or 0) >= 3:   # a Gemini 3 Pro has no minimal level: its lowest is low
-            level = GEMINI_LEVEL[e]
-            cfg = {"thinking_level": "LOW" if level == "MINIMAL" and "pro" in self.model.lower() else level}
-        else: cfg = {"thinking_budget": EFFORT_BUDGET[e]}
-        if self.include_thoughts if self.include_thoughts is not None else self.reasons: cfg["include_thoughts"] = True
-        elif self.include_thoughts is False: cfg["include_thoughts"] = False
-        return cfg
+# %% ../../nbs/models/08f_gemini.ipynb #5209ead3
+@fc_patch
+def thinking_config(self:GeminiBackend)->dict|None:
+    "The `thinking_config` for the reasoning effort (see the table above)"
+    e = self.reasoning_effort
+    if e is None: return None
+    if isinstance(e, int): cfg = {"thinking_budget": e}
+    elif (gemini_major(self.model) or 0) >= 3:   # a Gemini 3 Pro has no minimal level: its lowest is low
+        level = GEMINI_LEVEL[e]
+        cfg = {"thinking_level": "LOW" if level == "MINIMAL" and "pro" in self.model.lower() else level}
+    else: cfg = {"thinking_budget": EFFORT_BUDGET[e]}
+    if self.include_thoughts if self.include_thoughts is not None else self.reasons: cfg["include_thoughts"] = True
+    elif self.include_thoughts is False: cfg["include_thoughts"] = False
+    return cfg
 
-    def content_params(self, req:GenRequest)->dict:
-        "Keyword arguments of `models.generate_content` for one request"
-        system, turns = system_and_turns(provider_messages(req.messages, req.parts, self.kind))   # paper: instruction in the user turn
-        contents = [{"role": "model" if t["role"] == "assistant" else "user", "parts": [{"text": t["content"]}]} for t in turns]
-        cap = req.max_new_tokens or (self.max_new_tokens if self.capped else None)
-        cfg = {"max_output_tokens": cap} if cap else {}             # no cap given: the model's own limit, thinking included
-        if system: cfg["system_instruction"] = system
-        fmt = req.reply_format or ("strict" if req.response_schema else None)
-        if fmt: cfg["response_mime_type"] = "application/json"                 # json_object: JSON mode; a schema: JSON of that schema
-        if fmt in ("json_schema", "strict") and req.response_schema: cfg["response_schema"] = gemini_response_schema(req.response_schema)
-        if self.safety_settings: cfg["safety_settings"] = [dict(s) for s in self.safety_settings]
-        if req.tools: cfg, contents = cfg | gemini_tools(req.tools), gemini_contents(req.messages)
-        for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed if req.sample is None else (self.seed or 0) + req.sample),
-                     ("thinking_config", self.thinking_config())):
-            if v is not None: cfg[k] = v
-        return {"model": self.model, "contents": contents, "config": cfg | (self.extra_body or {})}
+# %% ../../nbs/models/08f_gemini.ipynb #4c873785
+@fc_patch
+def content_params(self:GeminiBackend, req:GenRequest)->dict:
+    "Keyword arguments of `models.generate_content` for one request"
+    system, turns = system_and_turns(provider_messages(req.messages, req.parts, self.kind))   # paper: instruction in the user turn
+    contents = [{"role": "model" if t["role"] == "assistant" else "user", "parts": [{"text": t["content"]}]} for t in turns]
+    cap = req.max_new_tokens or (self.max_new_tokens if self.capped else None)
+    cfg = {"max_output_tokens": cap} if cap else {}             # no cap given: the model's own limit, thinking included
+    if system: cfg["system_instruction"] = system
+    fmt = req.reply_format or ("strict" if req.response_schema else None)
+    if fmt: cfg["response_mime_type"] = "application/json"                 # json_object: JSON mode; a schema: JSON of that schema
+    if fmt in ("json_schema", "strict") and req.response_schema: cfg["response_schema"] = gemini_response_schema(req.response_schema)
+    if self.safety_settings: cfg["safety_settings"] = [dict(s) for s in self.safety_settings]
+    if req.tools: cfg, contents = cfg | gemini_tools(req.tools), gemini_contents(req.messages)
+    for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed if req.sample is None else (self.seed or 0) + req.sample),
+                 ("thinking_config", self.thinking_config())):
+        if v is not None: cfg[k] = v
+    return {"model": self.model, "contents": contents, "config": cfg | (self.extra_body or {})}
 
-    def _open_client(self, base_url:str|None=None):
-        genai = require_sdk("google.genai", "gemini", self.kind)
-        http = {"retry_options": {"attempts": 1}, "timeout": int(self.timeout * 1000)}
-        if base_url or self.base_url: http["base_url"] = base_url or self.base_url
-        return genai.Client(api_key=self._api_key(), http_options=http)
-    async def _close_client(self, client): await client.aio.aclose()
-    async def _agenerate(self, client, req):
-        p = self.content_params(req)
-        p["config"] = require_sdk("google.genai.types", "gemini", self.kind).GenerateContentConfig.model_validate(p["config"])
-        return gemini_generation(await client.aio.models.generate_content(**p))
+# %% ../../nbs/models/08f_gemini.ipynb #90c3c62a
+@fc_patch
+def _open_client(self:GeminiBackend, base_url:str|None=None):
+    "A `genai.Client` for one URL (default: the only one, else Google's), with the SDK's own retries off"
+    genai = require_sdk("google.genai", "gemini", self.kind)
+    http = {"retry_options": {"attempts": 1}, "timeout": int(self.timeout * 1000)}
+    if base_url or self.base_url: http["base_url"] = base_url or self.base_url
+    return genai.Client(api_key=self._api_key(), http_options=http)
+
+# %% ../../nbs/models/08f_gemini.ipynb #9de5e9ab
+@fc_patch
+async def _close_client(self:GeminiBackend, client):
+    "Close the client's asynchronous side"
+    await client.aio.aclose()
+
+# %% ../../nbs/models/08f_gemini.ipynb #73218b37
+@fc_patch
+async def _agenerate(self:GeminiBackend, client, req):
+    "One request: `generate_content` with its config validated by the SDK, read as a `Generation`"
+    p = self.content_params(req)
+    p["config"] = require_sdk("google.genai.types", "gemini", self.kind).GenerateContentConfig.model_validate(p["config"])
+    return gemini_generation(await client.aio.models.generate_content(**p))

@@ -41,19 +41,43 @@ def gguf_file_path(model:str,                # `hf:` spec name: a .gguf file, a 
     try: return Path(hf_hub_download(model, gguf_file, revision=revision))
     except Exception as e: raise ConfigError(f"hf: cannot fetch {gguf_file!r} from {model!r}: {type(e).__name__}: {e}") from e
 
+# %% ../../nbs/models/07c_gguf.ipynb #e4bba1c9
+def _check_gguf_magic(path:Path, # a .gguf file
+                     ):
+    "Refuse a file that cannot be read or does not start with the GGUF magic bytes"
+    try:
+        with open(path, "rb") as f: magic = f.read(4)
+    except OSError as e: raise ConfigError(f"hf: cannot read the GGUF file {path} ({e.strerror or e})") from None
+    if magic != b"GGUF": raise ConfigError(f"hf: {path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+
+# %% ../../nbs/models/07c_gguf.ipynb #0e7eb7fb
+def _write_dequantized(path:Path, # a .gguf file
+                       sha:str,   # its sha256
+                       dest:Path, # an empty folder to write into
+                      ):
+    "Write the plain float32 safetensors copy of a GGUF file, its tokenizer, and `gguf_source.json` naming the file"
+    import json, torch
+    from transformers import AutoTokenizer, AutoModelForCausalLM
+    kw = dict(gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    lm = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+    config = lm.config
+    if hasattr(config, "quantization_config"): del config.quantization_config   # the copy is plain float32 weights
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(lm.state_dict())
+    plain.generation_config = lm.generation_config
+    plain.save_pretrained(dest); tok.save_pretrained(dest)
+    (dest / "gguf_source.json").write_text(json.dumps({"file": path.name, "sha256": sha}) + "\n")
+
 # %% ../../nbs/models/07c_gguf.ipynb #20e7464b
 def gguf_checkpoint(path:str|Path,             # a .gguf file
                     cache:str|Path|None=None,  # cache folder (default `gguf_cache_dir()`)
                    )->tuple[Path, str]:        # (the safetensors checkpoint folder, the file's sha256)
     "The dequantized safetensors copy of a GGUF file, made once per file content"
-    import errno, json, os, shutil, tempfile, torch
-    from transformers import AutoTokenizer, AutoModelForCausalLM
+    import errno, os, shutil, tempfile
     from medsafe_nb.models.hf_plan import cached_file_sha256
     path = Path(path)
-    try:
-        with open(path, "rb") as f: magic = f.read(4)
-    except OSError as e: raise ConfigError(f"hf: cannot read the GGUF file {path} ({e.strerror or e})") from None
-    if magic != b"GGUF": raise ConfigError(f"hf: {path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    _check_gguf_magic(path)
     sha = cached_file_sha256(path)
     root = Path(cache).expanduser() if cache else gguf_cache_dir()
     dest = root / sha
@@ -67,17 +91,7 @@ def gguf_checkpoint(path:str|Path,             # a .gguf file
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{sha[:12]}."))
     except OSError as e: raise ConfigError(f"hf: cannot write the GGUF cache {root} ({e.strerror or e}): {where}") from None
     try:
-        kw = dict(gguf_file=path.name)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
-        lm = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
-        config = lm.config
-        if hasattr(config, "quantization_config"): del config.quantization_config   # the copy is plain float32 weights
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(lm.state_dict())
-        plain.generation_config = lm.generation_config
-        plain.save_pretrained(tmp); tok.save_pretrained(tmp)
-        (tmp / "gguf_source.json").write_text(json.dumps({"file": path.name, "sha256": sha}) + "\n")
-        del lm, plain
+        _write_dequantized(path, sha, tmp)
         try: os.rename(tmp, dest)                    # atomic: a half-written copy is never seen
         except OSError:
             if not (dest / "config.json").is_file(): raise  # another process finished first: use its copy

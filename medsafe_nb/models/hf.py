@@ -15,9 +15,10 @@ from .hf_plan import shard, plan_batches, AUTO_BATCH, plain_greedy, plain_sampli
 from .hf_plan import PLAIN_CHAT_TEMPLATE, merge_system, chat_template_of, chat_prompt
 from .gguf import gguf_file_path, gguf_checkpoint
 from .hf_score import HFScoring   # `score`: letter and option scoring
+from .hf_decode import HFDecoding, sample_seed   # replies decoded together from prompts read alone
 
 # %% auto #0
-__all__ = ['split_reasoning', 'HFBackend', 'sample_seed']
+__all__ = ['split_reasoning', 'HFBackend']
 
 # %% ../../nbs/models/07_hf.ipynb #2496fb79
 def split_reasoning(text:str, # decoded reply
@@ -41,8 +42,31 @@ def _flag(value, name:str, none_ok:bool=True)->bool|None:
     if none_ok and v in ("", "none", "default"): return None
     raise ConfigError(f"hf: {name} must be true or false{' or none' if none_ok else ''}, got {value!r}")
 
+# %% ../../nbs/models/07_hf.ipynb #37187940
+def _checked_batch_size(model:str,                 # local directory or Hub id
+                        dtype:str,                 # one of `_DTYPES`
+                        key_scoring:str,           # one of `_KEY_SCORING`
+                        max_new_tokens:int,        # output cap
+                        batch_size:int|str|None,   # prompts per batch, `auto` or None
+                        temperature:float,         # 0 or more
+                        base_url:str|None,         # refused: `hf` runs in-process
+                        reasoning_effort:str|None, # refused: an API option
+                       )->int|str|None:            # the batch size, None for automatic
+    "Refuse the `HFBackend` options it cannot take, with the fix in the message"
+    if reasoning_effort: raise ConfigError("hf: reasoning_effort is for API models; for open-weight thinking models use thinking=true/false")
+    if base_url: raise ConfigError("hf: --base-url is for servers; use openai:NAME --base-url URL for vLLM/SGLang, or hf:PATH without it")
+    if not model: raise ConfigError("hf backend needs a model: hf:PATH_OR_HUB_ID, e.g. hf:Qwen/Qwen3-8B")
+    if dtype not in _DTYPES: raise ConfigError(f"hf: dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if key_scoring not in _KEY_SCORING: raise ConfigError(f"hf: key_scoring {key_scoring!r} is not one of {', '.join(_KEY_SCORING)}")
+    if int(max_new_tokens) < 1: raise ConfigError(f"hf: max_new_tokens must be at least 1, got {max_new_tokens}")
+    if batch_size == "auto": batch_size = None
+    if batch_size is not None and (not str(batch_size).isdigit() or int(batch_size) < 1):
+        raise ConfigError(f"hf: batch_size must be auto or at least 1, got {batch_size!r}")
+    if float(temperature) < 0: raise ConfigError(f"hf: temperature must be >= 0, got {temperature}")
+    return batch_size
+
 # %% ../../nbs/models/07_hf.ipynb #e70c8a83
-class HFBackend(HFScoring, Backend):
+class HFBackend(HFScoring, HFDecoding, Backend):
     "A Hugging Face causal LM, loaded in this process (kind `hf`)"
     kind = "hf"
     option_scoring = True                      # `score` also reads option texts (`ScoreRequest.continuations`)
@@ -69,21 +93,9 @@ class HFBackend(HFScoring, Backend):
                  base_url:str|None=None,        # refused: `hf` runs in-process (use openai: for a server)
                  reasoning_effort:str|None=None,# refused: an API option; open-weight models take `thinking`
                 ):
-        if reasoning_effort: raise ConfigError("hf: reasoning_effort is for API models; for open-weight thinking models use thinking=true/false")
-        if base_url: raise ConfigError("hf: --base-url is for servers; use openai:NAME --base-url URL for vLLM/SGLang, or hf:PATH without it")
-        if not model: raise ConfigError("hf backend needs a model: hf:PATH_OR_HUB_ID, e.g. hf:Qwen/Qwen3-8B")
-        if dtype not in _DTYPES: raise ConfigError(f"hf: dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-        if key_scoring not in _KEY_SCORING: raise ConfigError(f"hf: key_scoring {key_scoring!r} is not one of {', '.join(_KEY_SCORING)}")
-        if int(max_new_tokens) < 1: raise ConfigError(f"hf: max_new_tokens must be at least 1, got {max_new_tokens}")
-        if batch_size == "auto": batch_size = None
-        if batch_size is not None and (not str(batch_size).isdigit() or int(batch_size) < 1):
-            raise ConfigError(f"hf: batch_size must be auto or at least 1, got {batch_size!r}")
-        if float(temperature) < 0: raise ConfigError(f"hf: temperature must be >= 0, got {temperature}")
+        batch_size = _checked_batch_size(model, dtype, key_scoring, max_new_tokens, batch_size, temperature, base_url, reasoning_effort)
         self.model, self.label = str(model), label
-        self.gguf = None                                 # {"file", "sha256"} of a GGUF checkpoint
-        if (gguf := gguf_file_path(self.model, gguf_file, revision)) is not None:
-            folder, sha = gguf_checkpoint(gguf)
-            self.model, self.gguf, revision = str(folder), {"file": gguf.name, "sha256": sha, "checkpoint": str(folder)}, None
+        revision = self._use_gguf(gguf_file, revision)
         self.max_new_tokens, self.temperature, self.seed = int(max_new_tokens), float(temperature), int(seed)
         self.top_p = None if top_p is None else float(top_p)
         self.thinking, self.key_scoring = _flag(thinking, "thinking"), key_scoring
@@ -102,11 +114,25 @@ class HFBackend(HFScoring, Backend):
     @property
     def do_sample(self)->bool: return self.temperature > 0
 
-# %% ../../nbs/models/07_hf.ipynb #4d724e6d
+# %% ../../nbs/models/07_hf.ipynb #fe5dc116
 @patch
-def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map, attn_implementation, chat_template):
-    import torch
-    from transformers import AutoTokenizer, AutoModelForCausalLM
+def _use_gguf(self:HFBackend,
+              gguf_file:str|None, # a GGUF file inside the folder or Hub repository `model`
+              revision:str|None,  # Hub branch, tag or commit asked for
+             )->str|None:         # the revision to load (None for a GGUF's dequantized copy)
+    "Load a GGUF checkpoint from its dequantized copy (sets `gguf` and `model`); no GGUF: `revision` as given"
+    self.gguf = None                                 # {"file", "sha256"} of a GGUF checkpoint
+    if (gguf := gguf_file_path(self.model, gguf_file, revision)) is not None:
+        folder, sha = gguf_checkpoint(gguf)
+        self.model, self.gguf, revision = str(folder), {"file": gguf.name, "sha256": sha, "checkpoint": str(folder)}, None
+    return revision
+
+# %% ../../nbs/models/07_hf.ipynb #59d8b686
+@patch
+def _model_source(self:HFBackend,
+                  revision:str|None, # Hub branch, tag or commit asked for
+                 )->tuple[str, str|None, bool]: # (where to load from, the revision to load, Hub cache only)
+    "Where the model loads from: a local directory, else a Hub id pinned to its commit (sets `revision`)"
     local, local_only = Path(self.model).expanduser(), False
     if local.exists():
         if not local.is_dir(): raise ConfigError(f"hf: {self.model} is a file; give the model's directory")
@@ -119,12 +145,45 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
         commit = resolve_commit(src, revision, local_only)
         self.revision = commit or revision or "main"
         revision = commit or revision
+    return src, revision, local_only
+
+# %% ../../nbs/models/07_hf.ipynb #93700f8a
+@patch
+def _place(self:HFBackend,
+           device:str,                # auto, cpu, cuda, cuda:N
+           device_map:str|dict|None,  # transformers device map, if given
+          )->str|dict|None:           # the device map to load with (None: load, then move to `device`)
+    "Pick the device (this process's GPU under a launch) and the device map (sets `device`)"
+    import torch
     if device == "auto":
         device = f"cuda:{self.local_rank if self.world > 1 else 0}" if torch.cuda.is_available() else "cpu"
     self.device = torch.device(device)
     if self.device.type == "cuda" and self.device.index is None: self.device = torch.device("cuda", self.local_rank if self.world > 1 else 0)
+    if device_map is None and self.device.type == "cuda": device_map = "auto" if self.world == 1 else {"": self.device.index}
+    return device_map
+
+# %% ../../nbs/models/07_hf.ipynb #3af9de49
+@patch
+def _join_group(self:HFBackend):
+    "Join the launch's process group (gloo on CPU, nccl on GPU); refuse a launch whose process count is not `WORLD_SIZE`"
+    import torch.distributed as dist
+    from accelerate import PartialState
+    self._owns_group = not dist.is_initialized()     # joined here: `close` destroys it (gloo's threads must not meet exit)
+    state = PartialState(cpu=self.device.type == "cpu")
+    if state.num_processes != self.world:
+        if self.__dict__.pop("_owns_group", False): leave_process_group()   # no backend comes back to close it
+        raise ConfigError(f"hf: WORLD_SIZE is {self.world} but accelerate sees {state.num_processes} process(es) "
+                          f"({state.distributed_type}); launch with torchrun or accelerate launch --multi_gpu")
+
+# %% ../../nbs/models/07_hf.ipynb #4d724e6d
+@patch
+def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map, attn_implementation, chat_template):
+    "Load the tokenizer and model onto the device, in the checkpoint's precision unless asked otherwise"
+    import torch
+    from transformers import AutoTokenizer, AutoModelForCausalLM
+    src, revision, local_only = self._model_source(revision)
+    device_map = self._place(device, device_map)
     on_gpu = self.device.type == "cuda"
-    if device_map is None and on_gpu: device_map = "auto" if self.world == 1 else {"": self.device.index}
     kw = dict(revision=revision, trust_remote_code=trust_remote_code, **({"local_files_only": True} if local_only else {}))
     if dtype == "auto":                                  # the checkpoint's own precision (hf_plan.auto_dtype)
         from transformers import AutoConfig
@@ -149,15 +208,7 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
     self._think_end = tok.convert_tokens_to_ids("</think>") if "</think>" in tok.get_vocab() else None
     self._key_cache = {}
     self._merge_system = False
-    if self.world > 1:                                  # join the launch's process group (gloo on CPU, nccl on GPU)
-        import torch.distributed as dist
-        from accelerate import PartialState
-        self._owns_group = not dist.is_initialized()     # joined here: `close` destroys it (gloo's threads must not meet exit)
-        state = PartialState(cpu=self.device.type == "cpu")
-        if state.num_processes != self.world:
-            if self.__dict__.pop("_owns_group", False): leave_process_group()   # no backend comes back to close it
-            raise ConfigError(f"hf: WORLD_SIZE is {self.world} but accelerate sees {state.num_processes} process(es) "
-                              f"({state.distributed_type}); launch with torchrun or accelerate launch --multi_gpu")
+    if self.world > 1: self._join_group()
 
 # %% ../../nbs/models/07_hf.ipynb #111032c2
 @patch
@@ -314,142 +365,6 @@ def _results(self:HFBackend, batch:list, enc:list, rows:list, dt:float)->list:
         res.append((i, Generation(text, "length" if stop is None else "stop", prompt_tokens=len(enc[i]),
                                   completion_tokens=len(row) if stop is None else stop + 1, latency_s=dt, reasoning=reasoning)))
     return res
-
-# %% ../../nbs/models/07_hf.ipynb #3130897d
-@patch
-def _prefill(self:HFBackend, row:list[int])->tuple|None:
-    "(next-token logits, key/value cache) of one unpadded prompt; None if the cache is not a plain `DynamicCache`"
-    import torch
-    from transformers import DynamicCache
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
-    with torch.inference_mode(): out = self.lm(input_ids=torch.tensor([row], device=self.device), use_cache=True, **kw)
-    cache = out["cache"] if "cache" in out else out.get("past_key_values")
-    layers = getattr(cache, "layers", None)
-    if type(cache) is not DynamicCache or not layers or any(getattr(l, "is_sliding", False) or getattr(l, "keys", None) is None
-                                                            for l in layers): return None
-    return out.logits[0, -1], cache
-
-# %% ../../nbs/models/07_hf.ipynb #a7c1e0d1
-@functools.cache
-def _reply_cache_layer():
-    "The class `_reply_cache` fills (made on first use: transformers is imported only when a model runs)"
-    import torch
-    from transformers.cache_utils import DynamicLayer
-    class ReplyCacheLayer(DynamicLayer):
-        "One layer's keys and values in a buffer with room for the whole reply: a decoding step writes its token in place"
-        def __init__(self, keys, values, filled:int):
-            super().__init__()
-            self._k, self._v, self._n = keys, values, filled
-            self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
-            self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
-        def update(self, key_states, value_states, *args, **kwargs):
-            n, t = self._n, key_states.shape[-2]
-            if n + t > self._k.shape[-2]:                 # past the room planned: grow (not reached by `_decode_batch`)
-                more = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], max(t, x.shape[2]), x.shape[3])], 2)
-                self._k, self._v = more(self._k), more(self._v)
-            self._k[:, :, n:n+t], self._v[:, :, n:n+t] = key_states, value_states
-            self._n = n + t
-            self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
-            return self.keys, self.values
-        def keep(self, rows, start:int):
-            "Keep only the batch rows `rows` (a tensor of row numbers) and the positions from `start` on (one copy)"
-            self._k, self._v = self._k[rows, :, start:], self._v[rows, :, start:]
-            self._n -= start
-            self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
-        def get_seq_length(self)->int: return self._n
-    return ReplyCacheLayer
-
-# %% ../../nbs/models/07_hf.ipynb #a7c1e0d2
-@patch
-def _reply_cache(self:HFBackend, rows:list, caches:list, room:int):
-    "One cache for a batch: each prompt's own cache left-padded (zeros) into buffers with `room` free positions"
-    from transformers import DynamicCache
-    n, B, Layer = max(map(len, rows)), len(rows), _reply_cache_layer()
-    layers = []
-    for l in range(len(caches[0].layers)):
-        k0, v0 = caches[0].layers[l].keys, caches[0].layers[l].values
-        K, V = k0.new_zeros(B, k0.shape[1], n + room, k0.shape[3]), v0.new_zeros(B, v0.shape[1], n + room, v0.shape[3])
-        for j, (r, c) in enumerate(zip(rows, caches)):
-            K[j, :, n - len(r):n], V[j, :, n - len(r):n] = c.layers[l].keys[0], c.layers[l].values[0]
-        layers.append(Layer(K, V, n))
-    cache = DynamicCache()
-    cache.layers = layers
-    return cache
-
-
-# %% ../../nbs/models/07_hf.ipynb #ab617c15
-def sample_seed(seed:int,       # the backend's sampling seed
-                sample:int|None, # the request's sample index (`GenRequest.sample`; None: 0)
-                ids:list[int],   # the prompt's token ids
-               )->int:           # a 63-bit seed for this request's own generator
-    "The seed of one request's sampler: the same request always draws the same reply, whatever else runs beside it"
-    h = hashlib.sha256(f"{int(seed)}:{int(sample or 0)}:".encode() + b",".join(str(t).encode() for t in ids))
-    return int.from_bytes(h.digest()[:8], "big") >> 1
-
-# %% ../../nbs/models/07_hf.ipynb #93018923
-@patch
-def _warpers(self:HFBackend):
-    "transformers' logits warpers for sampling, in `generate`'s order: temperature, top-k, top-p (the backend's over the checkpoint's)"
-    from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-    cfg, out = self.lm.generation_config, LogitsProcessorList()
-    if self.temperature != 1.0: out.append(TemperatureLogitsWarper(self.temperature))
-    if getattr(cfg, "top_k", None): out.append(TopKLogitsWarper(int(cfg.top_k)))
-    top_p = self.top_p if self.top_p is not None else getattr(cfg, "top_p", None)
-    if top_p is not None and top_p < 1.0: out.append(TopPLogitsWarper(float(top_p)))
-    return out
-
-# %% ../../nbs/models/07_hf.ipynb #274011f3
-@patch
-def _pick(self:HFBackend, logits, gens:list|None)->list[int]:
-    "Next token per row of `logits` (rows, vocab): the argmax, or a draw from each row's own generator `gens[j]`"
-    import torch
-    if gens is None: return logits.argmax(-1).tolist()
-    probs = self._warpers()(None, logits.float()).softmax(-1)
-    return [torch.multinomial(probs[j], 1, generator=g).item() for j, g in enumerate(gens)]
-
-# %% ../../nbs/models/07_hf.ipynb #f9056e68
-@patch
-def _decode_batch(self:HFBackend, batch:list, enc:list, cap:int, seeds:list|None=None)->list|None:
-    "Replies (greedy, or sampled with `seeds[i]` per request): each prompt prefilled alone, the caches left-padded into one with room for the replies, decoded together, finished replies leaving the batch (None: use `generate`)"
-    import torch
-    t0 = time.perf_counter()
-    pre = []
-    for i in batch:                                     # a stop request is read before each prompt's prefill and each step
-        self._stop_check(); pre.append(self._prefill(enc[i]))
-        if pre[-1] is None: return None
-    rows, B = [enc[i] for i in batch], len(batch)
-    n = max(map(len, rows))
-    gens = None if seeds is None else [torch.Generator(device=self.device).manual_seed(seeds[i]) for i in batch]
-    cache = self._reply_cache(rows, [c for _, c in pre], cap)
-    eos, arg = self._eos_ids(), "cache" if "cache" in self._forward_args else "past_key_values"
-    out = [[t] for t in self._pick(torch.stack([l for l, _ in pre]), gens)]
-    done = [r[0] in eos for r in out]
-    del pre
-    live = list(range(B))                               # the replies in the cache, in its row order
-    mask = torch.zeros(B, n + cap, dtype=torch.long, device=self.device)
-    for j, r in enumerate(rows): mask[j, n - len(r):n] = 1
-    pos = torch.tensor([[len(r)] for r in rows], device=self.device)
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_args else {}
-    for _ in range(1, cap):
-        ended = sum(done[j] for j in live)
-        if ended == len(live): break
-        if ended and ended * 4 >= len(live):            # a quarter of the rows ended: drop them, and the padding no row left needs
-            keep = [r for r, j in enumerate(live) if not done[j]]
-            live = [live[r] for r in keep]
-            start = n - max(len(rows[j]) for j in live)
-            idx = torch.tensor(keep, device=self.device)
-            for layer in cache.layers: layer.keep(idx, start)
-            mask, pos, n = mask[idx, start:], pos[idx], n - start
-        self._stop_check()
-        filled = cache.get_seq_length()
-        mask[:, filled] = 1
-        with torch.inference_mode():
-            logits = self.lm(input_ids=torch.tensor([[out[j][-1] if not done[j] else self.pad_id] for j in live], device=self.device),
-                             attention_mask=mask[:, :filled + 1], position_ids=pos, use_cache=True, **{arg: cache}, **kw).logits[:, -1]
-        for j, t in zip(live, self._pick(logits, None if gens is None else [gens[j] for j in live])):
-            if not done[j]: out[j].append(t); done[j] = t in eos
-        pos = pos + 1
-    return self._results(batch, enc, out, (time.perf_counter() - t0) / B)
 
 # %% ../../nbs/models/07_hf.ipynb #6a22f22e
 @patch

@@ -4,310 +4,21 @@
 
 # %% ../../nbs/models/08_http.ipynb #a8bc852f
 from __future__ import annotations
-import asyncio, email.utils, functools, importlib, json, os, queue, random, re, threading, time
+import functools, importlib, json, os, re, time
 from dataclasses import fields
-from typing import Any, Callable, Iterator
-import tenacity
+from typing import Iterator
 from fastcore.basics import patch
 from ..core import ConfigError, EFFORTS
 from .base import Backend, GenRequest, Generation, ScoreRequest, Scores
+from .http_stream import AIMDLimit, status_of, stream_as_completed   # requests in flight, retried, as they complete
 
 # %% auto #0
-__all__ = ['RETRY_STATUS', 'THROTTLE_STATUS', 'EFFORT_BUDGET', 'DEFAULT_MAX_NEW_TOKENS', 'REASONING_MAX_NEW_TOKENS',
-           'CONNECT_TIMEOUT', 'status_of', 'is_transient', 'retry_after_s', 'wait_retry_after', 'retrying',
-           'is_throttle', 'AIMDLimit', 'stream_as_completed', 'effort_budget', 'check_effort', 'MissingExtra',
-           'require_sdk', 'make_generation', 'tool_arguments', 'system_and_turns', 'split_timeout', 'split_base_urls',
-           'APIBackend']
+__all__ = ['EFFORT_BUDGET', 'DEFAULT_MAX_NEW_TOKENS', 'REASONING_MAX_NEW_TOKENS', 'CONNECT_TIMEOUT', 'effort_budget',
+           'check_effort', 'MissingExtra', 'require_sdk', 'make_generation', 'tool_arguments', 'system_and_turns',
+           'split_timeout', 'split_base_urls', 'APIBackend']
 
 # %% ../../nbs/models/08_http.ipynb #020f989a
 from ..core import scrub_secrets, safe_url   # one owner: the core notebook
-
-# %% ../../nbs/models/08_http.ipynb #ba6cc7ae
-RETRY_STATUS = (408, 409, 425, 429)      # and every status >= 500
-_TRANSIENT_NAMES = {"APIConnectionError", "APITimeoutError", "TransportError", "TimeoutException", "NetworkError",
-                    "RemoteProtocolError", "ServerDisconnectedError", "ClientConnectionError", "ClientOSError"}
-
-def status_of(exc:BaseException)->int|None:
-    "The HTTP status an SDK exception carries, if any"
-    s = getattr(exc, "status_code", None)
-    if isinstance(s, int): return s
-    c = getattr(exc, "code", None)                                  # google-genai APIError
-    return c if isinstance(c, int) and 100 <= c < 600 else None
-
-# %% ../../nbs/models/08_http.ipynb #b4ac5080
-def is_transient(exc:BaseException)->bool:
-    "True for failures worth retrying: 408/409/425/429, 5xx, timeouts and connection errors"
-    s = status_of(exc)
-    if s is not None: return s in RETRY_STATUS or s >= 500
-    if isinstance(exc, (TimeoutError, ConnectionError, asyncio.TimeoutError)): return True
-    return any(c.__name__ in _TRANSIENT_NAMES for c in type(exc).__mro__)
-
-# %% ../../nbs/models/08_http.ipynb #ca53ad0b
-def retry_after_s(exc:BaseException,    # an SDK exception with `.response.headers`
-                  now:float|None=None,  # the current time (for HTTP-date values), default time.time()
-                 )->float|None:         # seconds to wait, or None when the server did not say
-    "The wait a server asks for: `retry-after-ms`, or `Retry-After` in seconds or as an HTTP date"
-    headers = getattr(getattr(exc, "response", None), "headers", None)
-    if not headers: return None
-    h = {str(k).lower(): v for k, v in headers.items()}
-    try:
-        if h.get("retry-after-ms"): return max(0.0, float(h["retry-after-ms"]) / 1000)
-    except ValueError: pass
-    v = h.get("retry-after")
-    if not v: return None
-    try: return max(0.0, float(v))
-    except ValueError: pass
-    try: when = email.utils.parsedate_to_datetime(v)
-    except (TypeError, ValueError): return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-# %% ../../nbs/models/08_http.ipynb #4d702195
-class wait_retry_after(tenacity.wait.wait_base):
-    "Tenacity wait: the server's Retry-After when it gives one, else exponential backoff with jitter"
-    def __init__(self, backoff:float=1.0, max_backoff:float=60.0):
-        self.backoff, self.max_backoff = backoff, max_backoff
-    def __call__(self, retry_state)->float:
-        exc = retry_state.outcome.exception() if retry_state.outcome else None
-        ra = retry_after_s(exc) if exc is not None else None
-        if ra is not None: return min(ra + random.uniform(0, min(1.0, 0.1 * ra)), self.max_backoff)
-        n = min(retry_state.attempt_number, 60)
-        return min(self.backoff * 2 ** (n - 1) + random.uniform(0, self.backoff), self.max_backoff)
-
-# %% ../../nbs/models/08_http.ipynb #79477549
-def retrying(max_retries:int=6,        # retries after the first try (so at most max_retries+1 tries)
-             backoff:float=1.0,        # first backoff, seconds
-             max_backoff:float=60.0,   # cap on any one wait, seconds
-            )->tenacity.AsyncRetrying:
-    "A fresh tenacity policy for one request: transient errors only, bounded tries, Retry-After honoured"
-    return tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(max_retries + 1), wait=wait_retry_after(backoff, max_backoff),
-                                  retry=tenacity.retry_if_exception(is_transient), reraise=True)
-
-# %% ../../nbs/models/08_http.ipynb #16f7e2f9
-_DONE = object()
-
-class _EndpointDown(Exception):
-    "Raised instead of a try on an endpoint that has left the rotation (never retried there)"
-
-# %% ../../nbs/models/08_http.ipynb #8224e06a
-class _Endpoint:
-    "One server of a multi-URL run: its client, and its run of consecutive failed tries"
-    def __init__(self, index:int, open_client:Callable):
-        self.index, self.open_client, self.client, self.failures, self.down = index, open_client, None, 0, False
-
-# %% ../../nbs/models/08_http.ipynb #4855ab5d
-def _endpoint_failure(exc:BaseException)->bool:
-    "A failed try that speaks against the server itself: connection errors, timeouts, 5xx (not 429 or 4xx)"
-    s = status_of(exc)
-    return s >= 500 if s is not None else is_transient(exc)
-
-# %% ../../nbs/models/08_http.ipynb #14a63917
-THROTTLE_STATUS = (429, 503, 529)   # rate limited, overloaded (Anthropic: 529)
-
-def is_throttle(exc:BaseException)->bool:
-    "A failure that asks the client to send less: a rate limit or an overload"
-    return status_of(exc) in THROTTLE_STATUS
-
-# %% ../../nbs/models/08_http.ipynb #bec0c361
-class AIMDLimit:
-    "Requests in flight at one server: additive increase after a quiet window, multiplicative decrease on a throttle"
-    def __init__(self, ceiling:int,        # the configured concurrency: the start and the most
-                 floor:int=1,              # the least
-                 decrease:float=0.5):      # the factor of a cut
-        self.ceiling, self.floor, self.decrease = ceiling, floor, decrease
-        self.limit, self.quiet, self.epoch, self.history = ceiling, 0, 0, [ceiling]
-    def throttled(self, epoch:int|None=None): # the `epoch` the throttled try started in (None: the current one)
-        "A 429 / overload: cut, unless the try started before the last cut (its throttle was already answered)"
-        self.quiet = 0
-        if epoch is not None and epoch != self.epoch: return
-        cut = max(self.floor, int(self.limit * self.decrease))
-        if cut != self.limit: self.history.append(cut)
-        self.limit, self.epoch = cut, self.epoch + 1
-    def answered(self):
-        "An answer: count toward the quiet window; a full window adds a slot"
-        self.quiet += 1
-        if self.quiet >= self.limit and self.limit < self.ceiling:
-            self.limit, self.quiet = self.limit + 1, 0
-            self.history.append(self.limit)
-    def __repr__(self): return f"AIMDLimit({self.limit}/{self.ceiling})"
-
-# %% ../../nbs/models/08_http.ipynb #dd035cd7
-class _Stream:
-    "One `stream_as_completed` call: endpoints, retry policy, and the queue that carries results to the caller's thread"
-    def __init__(self, call, open_clients, on_error, close_client, concurrency, max_retries, backoff, max_backoff, max_endpoint_failures, limits=None):
-        self.call, self.on_error, self.close_client, self.concurrency = call, on_error, close_client, concurrency
-        self.limits = limits                                  # adaptive: one AIMDLimit per endpoint (None: fixed concurrency)
-        self.policy, self.max_endpoint_failures = (max_retries, backoff, max_backoff), max_endpoint_failures
-        self.endpoints = [_Endpoint(k, f) for k, f in enumerate(open_clients)]
-        self.results = queue.Queue()
-
-    def in_rotation(self)->list: return [e for e in self.endpoints if not e.down]
-
-    def next_endpoint(self, ep:_Endpoint)->_Endpoint:
-        "The next endpoint after `ep` that is still in rotation"
-        return min(self.in_rotation(), key=lambda e: (e.index - ep.index) % len(self.endpoints))
-
-    async def try_once(self, ep:_Endpoint, req):
-        "One try on one endpoint; a failure that speaks against the server counts toward taking it out of rotation"
-        if ep.down: raise _EndpointDown()
-        epoch = self.limits[ep.index].epoch if self.limits else None
-        try: res = await self.call(ep.client, req)
-        except Exception as e:
-            if self.limits and is_throttle(e): self.limits[ep.index].throttled(epoch)
-            if _endpoint_failure(e):
-                ep.failures += 1
-                if ep.failures >= self.max_endpoint_failures and len(self.in_rotation()) > 1: ep.down = True
-            raise
-        ep.failures = 0
-        if self.limits: self.limits[ep.index].answered()
-        return res
-
-    async def try_with_retries(self, ep:_Endpoint, req, tries:list):
-        "Tries on one endpoint under `retrying()`; `tries[0]` counts them; raises what the last try raised"
-        if ep.down: raise _EndpointDown()
-        tries[0] += 1
-        try: return await self.try_once(ep, req)        # the first try needs no retry policy, and most requests end here
-        except Exception as e:
-            if not is_transient(e) or self.policy[0] < 1: raise
-            first = e
-        async for attempt in retrying(*self.policy):     # the policy's first attempt stands for the try that failed
-            with attempt:
-                if attempt.retry_state.attempt_number == 1: raise first   # so its waits and its stop count as they always did
-                if ep.down: raise _EndpointDown()
-                tries[0] += 1
-                return await self.try_once(ep, req)
-
-    async def complete(self, ep:_Endpoint, i:int, req):
-        "Put `(i, result)` on the queue: the answer, or `on_error` once every endpoint that could answer has failed"
-        tries = [0]
-        while True:
-            try: res = await self.try_with_retries(ep, req, tries); break
-            except asyncio.CancelledError: raise
-            except Exception as e:
-                if ep.down and self.in_rotation():            # its server left the rotation: move on
-                    ep = self.next_endpoint(ep); continue
-                try: res = self.on_error(e, tries[0])
-                except Exception as bug: self.results.put(("raise", bug)); return
-                break
-        self.results.put((i, res))
-
-# %% ../../nbs/models/08_http.ipynb #6c1240bc
-@patch
-async def dispatch(self:_Stream, requests:list):
-    "Open the clients, start each request when a slot of an endpoint in rotation frees up, then close the clients"
-    for ep in self.endpoints: ep.client = ep.open_client()
-    slots, pending = asyncio.Queue(), set()              # a free slot is the index of its endpoint
-    self.tokens = [self.limits[ep.index].limit if self.limits else self.concurrency for ep in self.endpoints]   # slots of each endpoint
-    for j in range(max(self.tokens)):
-        for ep in self.endpoints:
-            if j < self.tokens[ep.index]: slots.put_nowait(ep.index)
-    def release_slot(k, task): pending.discard(task); self.release(k, slots)
-    try:
-        for i, req in enumerate(requests):
-            k = await slots.get()
-            while self.endpoints[k].down: k = await slots.get()   # slots of an endpoint out of rotation are dropped
-            t = asyncio.create_task(self.complete(self.endpoints[k], i, req), name=f"medsafe-request-{i}")
-            pending.add(t); t.add_done_callback(functools.partial(release_slot, k))
-        while pending: await asyncio.wait(set(pending))
-    finally: await self.shutdown(pending)
-
-# %% ../../nbs/models/08_http.ipynb #bbbec5fd
-@patch
-def release(self:_Stream, k:int, slots):
-    "Give a finished request's slot back; with an adaptive limit, retire it after a cut, or add slots after a raise"
-    lim = self.limits[k] if self.limits else None
-    if lim is not None and self.tokens[k] > lim.limit: self.tokens[k] -= 1; return
-    slots.put_nowait(k)
-    while lim is not None and self.tokens[k] < lim.limit: self.tokens[k] += 1; slots.put_nowait(k)
-
-# %% ../../nbs/models/08_http.ipynb #050e0379
-@patch
-async def shutdown(self:_Stream, pending:set):
-    "Cancel what is still in flight and close every opened client; after a stop request, what is in flight first gets the grace"
-    stopped = getattr(self, "stopped", False)
-    if stopped and pending: await asyncio.wait(set(pending), timeout=STOP.remaining())
-    late = sum(not t.done() for t in pending)
-    for t in pending: t.cancel()
-    if pending: await asyncio.gather(*pending, return_exceptions=True)
-    if self.close_client is not None:
-        for ep in self.endpoints:
-            if ep.client is not None: await self.close_client(ep.client)
-    if stopped: raise self.stop_error(late)
-
-# %% ../../nbs/models/08_http.ipynb #6c91a9ce
-from ..core import STOP
-
-@patch
-def stop_soon(self:_Stream, loop, task):
-    "On a stop request (from any thread): mark the stream stopped and interrupt the loop that starts requests"
-    def stop():
-        self.stopped = True
-        if not task.done(): task.cancel()
-    try: loop.call_soon_threadsafe(stop)
-    except RuntimeError: pass                       # the loop has already closed
-
-# %% ../../nbs/models/08_http.ipynb #703abbb5
-@patch
-def stop_error(self:_Stream, late:int):
-    "The `RunStopped` of a stopped stream: how many requests in flight the grace did not cover"
-    return STOP.error("no new request was started" + (f"; {late} still in flight when the grace ended were cancelled (asked again on resume)" if late else ""))
-
-# %% ../../nbs/models/08_http.ipynb #e758b10e
-@patch
-def run_event_loop(self:_Stream, requests:list, box:dict, ready:threading.Event):
-    "The worker thread's body: a fresh event loop running `dispatch`; `_DONE` on the queue when it ends"
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        box["loop"], box["task"] = loop, loop.create_task(self.dispatch(requests), name="medsafe-dispatch")
-        unwatch = STOP.watch(functools.partial(self.stop_soon, loop, box["task"]))
-        ready.set()
-        loop.run_until_complete(box["task"])
-    except asyncio.CancelledError:
-        if getattr(self, "stopped", False): self.results.put(("raise", self.stop_error(0)))   # stopped before it started
-    except BaseException as e: self.results.put(("raise", e))
-    finally:
-        if "unwatch" in locals(): unwatch()
-        ready.set()
-        try: loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close(); self.results.put(_DONE)
-
-# %% ../../nbs/models/08_http.ipynb #58d388f3
-@patch
-def drain(self:_Stream, worker:threading.Thread, box:dict)->Iterator[tuple[int, Any]]:
-    "Yield results from the queue until the worker is done; a caller that stops early cancels the worker's loop"
-    try:
-        while True:
-            msg = self.results.get()
-            if msg is _DONE: return
-            if msg[0] == "raise": raise msg[1]
-            yield msg
-    finally:
-        if worker.is_alive():
-            try: box["loop"].call_soon_threadsafe(box["task"].cancel)
-            except (RuntimeError, KeyError): pass
-            worker.join(timeout=30)
-
-# %% ../../nbs/models/08_http.ipynb #4c431bb0
-def stream_as_completed(requests:list,           # the requests (any objects)
-                        call:Callable,           # `async call(client, request) -> result`; raises on failure
-                        open_client:Callable|list, # `open_client() -> client` (called in the worker's event loop), or one per endpoint
-                        on_error:Callable,       # `on_error(exc, tries) -> result` for a request that failed for good
-                        close_client:Callable|None=None, # `async close_client(client)`
-                        concurrency:int=8,       # requests in flight at once, per endpoint
-                        max_retries:int=6,       # retries after the first try, transient errors only (per endpoint)
-                        backoff:float=1.0,       # first exponential backoff, seconds
-                        max_backoff:float=60.0,  # cap on one wait (Retry-After included), seconds
-                        max_endpoint_failures:int=3, # consecutive failed tries that take an endpoint out of rotation
-                        limits:list|None=None,   # adaptive concurrency: one `AIMDLimit` per endpoint (None: `concurrency`, fixed)
-                       )->Iterator[tuple[int, Any]]: # `(index, result)` in completion order
-    "Run `call` over `requests` on an event loop in a worker thread; yield `(index, result)` as each completes"
-    opens = open_client if isinstance(open_client, (list, tuple)) else [open_client]
-    stream = _Stream(call, opens, on_error, close_client, concurrency, max_retries, backoff, max_backoff, max_endpoint_failures, limits)
-    box, ready = {}, threading.Event()
-    worker = threading.Thread(target=stream.run_event_loop, args=(list(requests), box, ready), name="medsafe-api-loop", daemon=True)
-    worker.start(); ready.wait()
-    yield from stream.drain(worker, box)
 
 # %% ../../nbs/models/08_http.ipynb #3914dbe2
 EFFORT_BUDGET = {"none": 0, "minimal": 1024, "low": 2048, "medium": 8192, "high": 24576}
@@ -406,17 +117,7 @@ class APIBackend(Backend):
                  timeout:float=600.0,           # seconds per try
                  label:str|None=None,           # display name in tables (default `kind:name`)
                  **unknown):
-        if "api_key" in unknown:
-            raise ConfigError(f"{self.kind}: keys are never passed as parameters; export the key and name its "
-                              f"variable with api_key_env=NAME (default {' or '.join(self.key_envs)})")
-        if unknown: raise ConfigError(f"{self.kind}: unknown option(s) {', '.join(sorted(unknown))}")
-        if not name: raise ConfigError(f"{self.kind}: a model name is needed, e.g. {self.kind}:{self.example}")
-        if api_key_env is not None and not _ENV_NAME.fullmatch(api_key_env):
-            raise ConfigError(f"{self.kind}: api_key_env must be the name of an environment variable (letters, digits, _), not a key")
-        if not (isinstance(concurrency, int) and concurrency >= 1): raise ConfigError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-        if not (isinstance(max_retries, int) and max_retries >= 0): raise ConfigError(f"max_retries must be an integer >= 0, got {max_retries!r}")
-        if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        self._check_options(name, api_key_env, max_new_tokens, concurrency, max_retries, unknown)
         base_url = base_url or (os.environ.get(self.base_url_env) if self.base_url_env else None) or None
         self.base_urls = split_base_urls(base_url)
         base_url = ",".join(self.base_urls) if base_url else None
@@ -441,67 +142,110 @@ class APIBackend(Backend):
     def reasons(self)->bool:
         "True when the model is asked to reason (a reasoning effort other than none)"
         return self.reasoning_effort not in (None, "none", 0)
-
-    def _api_key(self)->str:
-        "The key, read from the environment now (never stored on the backend)"
-        names = (self.api_key_env,) if self.api_key_env else self.key_envs
-        for n in names:
-            if os.environ.get(n): return os.environ[n]
-        if self.base_url and not self.api_key_env: return "EMPTY"       # a local server without a key
-        raise ConfigError(f"{self.kind}:{self.model}: no API key: set the environment variable {' or '.join(names)} "
-                          "(keys are read from the environment only, never from parameters or notebooks)")
-
-    def _secrets(self)->list[str]:
-        names = {self.api_key_env, *self.key_envs} - {None}
-        return [os.environ[n] for n in names if os.environ.get(n)]
-
-    def identity(self)->dict:
-        "Everything that can change an answer; never the key, and the URL without credentials or query"
-        url = ",".join(safe_url(u) for u in self.base_urls) if self.base_url else None
-        d = {"kind": self.kind, "model": self.model, "base_url": url, "temperature": self.temperature,
-             "max_new_tokens": self.max_new_tokens, "reasoning_effort": self.reasoning_effort}
-        d |= {k: v for k, v in (("top_p", self.top_p), ("seed", self.seed), ("extra_body", self.extra_body)) if v is not None}
-        return d
-
-    def describe_error(self, exc:BaseException, tries:int)->str:
-        "A one-line, scrubbed account of a request that failed for good"
-        s = status_of(exc)
-        head = f"{type(exc).__name__}" + (f" (HTTP {s})" if s else "")
-        return scrub_secrets(f"{head} after {tries} tr{'y' if tries == 1 else 'ies'}: {exc}", self._secrets())[:2000]
-
-    def _stream(self, requests, call, on_error):
-        opens = [functools.partial(self._open_client, u) for u in self.base_urls] if len(self.base_urls) > 1 else self._open_client
-        return stream_as_completed(requests, call, opens, on_error, self._close_client, self.concurrency,
-                                   self.max_retries, self.backoff, self.max_backoff, limits=self.limits)
-
-    def concurrency_note(self)->str:
-        "The requests in flight allowed now, for the progress line (`limit 4/8` adaptive, `limit 8` fixed)"
-        if not self.limits: return f"limit {self.concurrency}"
-        return "limit " + ",".join(f"{l.limit}/{l.ceiling}" for l in self.limits)
-
-    def generate(self, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
-        "Yield `(index, Generation)` for each request as it completes; failures become finish_reason `error`"
-        async def call(client, req):
-            t0 = time.perf_counter()
-            g = await self._agenerate(client, req)
-            g.latency_s = time.perf_counter() - t0
-            return g
-        return self._stream(requests, call, lambda e, n: Generation("", "error", error=self.describe_error(e, n)))
-
-    def score(self, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
-        "Yield `(index, Scores)` as each completes: log-probabilities of the candidate keys after the prefix"
-        self._check_scoring()
-        async def call(client, req):
-            t0 = time.perf_counter()
-            s = await self._ascore(client, req)
-            s.latency_s = time.perf_counter() - t0
-            return s
-        return self._stream(requests, call, lambda e, n: Scores({}, error=self.describe_error(e, n)))
-
-    def _check_scoring(self):
-        raise ConfigError(f"{self.kind}:{self.model} cannot score option log-probabilities (the API returns none "
-                          "after an assistant prefix); use --scoring generate")
     def _open_client(self, base_url:str|None=None): raise NotImplementedError   # a client for one URL (default: the only one)
     async def _close_client(self, client): await client.close()
     async def _agenerate(self, client, req:GenRequest)->Generation: raise NotImplementedError
     async def _ascore(self, client, req:ScoreRequest)->Scores: raise NotImplementedError
+
+# %% ../../nbs/models/08_http.ipynb #e5f70509
+@patch
+def _check_options(self:APIBackend,
+                   name:str,                 # model name
+                   api_key_env:str|None,     # NAME of the key's environment variable, if given
+                   max_new_tokens:int|None,  # cap on answer tokens, if given
+                   concurrency:int,          # requests in flight at once
+                   max_retries:int,          # retries after the first try
+                   unknown:dict):            # options the constructor does not know
+    "Refuse a key passed as a parameter, unknown options, and values the constructor cannot take"
+    if "api_key" in unknown:
+        raise ConfigError(f"{self.kind}: keys are never passed as parameters; export the key and name its "
+                          f"variable with api_key_env=NAME (default {' or '.join(self.key_envs)})")
+    if unknown: raise ConfigError(f"{self.kind}: unknown option(s) {', '.join(sorted(unknown))}")
+    if not name: raise ConfigError(f"{self.kind}: a model name is needed, e.g. {self.kind}:{self.example}")
+    if api_key_env is not None and not _ENV_NAME.fullmatch(api_key_env):
+        raise ConfigError(f"{self.kind}: api_key_env must be the name of an environment variable (letters, digits, _), not a key")
+    if not (isinstance(concurrency, int) and concurrency >= 1): raise ConfigError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+    if not (isinstance(max_retries, int) and max_retries >= 0): raise ConfigError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+    if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+# %% ../../nbs/models/08_http.ipynb #597a26d0
+@patch
+def _api_key(self:APIBackend)->str:
+    "The key, read from the environment now (never stored on the backend)"
+    names = (self.api_key_env,) if self.api_key_env else self.key_envs
+    for n in names:
+        if os.environ.get(n): return os.environ[n]
+    if self.base_url and not self.api_key_env: return "EMPTY"       # a local server without a key
+    raise ConfigError(f"{self.kind}:{self.model}: no API key: set the environment variable {' or '.join(names)} "
+                      "(keys are read from the environment only, never from parameters or notebooks)")
+
+# %% ../../nbs/models/08_http.ipynb #53638b86
+@patch
+def _secrets(self:APIBackend)->list[str]:
+    "The values of the key variables set now, to scrub from error messages"
+    names = {self.api_key_env, *self.key_envs} - {None}
+    return [os.environ[n] for n in names if os.environ.get(n)]
+
+# %% ../../nbs/models/08_http.ipynb #86341150
+@patch
+def identity(self:APIBackend)->dict:
+    "Everything that can change an answer; never the key, and the URL without credentials or query"
+    url = ",".join(safe_url(u) for u in self.base_urls) if self.base_url else None
+    d = {"kind": self.kind, "model": self.model, "base_url": url, "temperature": self.temperature,
+         "max_new_tokens": self.max_new_tokens, "reasoning_effort": self.reasoning_effort}
+    d |= {k: v for k, v in (("top_p", self.top_p), ("seed", self.seed), ("extra_body", self.extra_body)) if v is not None}
+    return d
+
+# %% ../../nbs/models/08_http.ipynb #68db1f77
+@patch
+def describe_error(self:APIBackend, exc:BaseException, tries:int)->str:
+    "A one-line, scrubbed account of a request that failed for good"
+    s = status_of(exc)
+    head = f"{type(exc).__name__}" + (f" (HTTP {s})" if s else "")
+    return scrub_secrets(f"{head} after {tries} tr{'y' if tries == 1 else 'ies'}: {exc}", self._secrets())[:2000]
+
+# %% ../../nbs/models/08_http.ipynb #b6dbb834
+@patch
+def _stream(self:APIBackend, requests, call, on_error):
+    "Stream `call` over the requests on this backend's clients, with its concurrency, retries and limits"
+    opens = [functools.partial(self._open_client, u) for u in self.base_urls] if len(self.base_urls) > 1 else self._open_client
+    return stream_as_completed(requests, call, opens, on_error, self._close_client, self.concurrency,
+                               self.max_retries, self.backoff, self.max_backoff, limits=self.limits)
+
+# %% ../../nbs/models/08_http.ipynb #d03d0c2e
+@patch
+def concurrency_note(self:APIBackend)->str:
+    "The requests in flight allowed now, for the progress line (`limit 4/8` adaptive, `limit 8` fixed)"
+    if not self.limits: return f"limit {self.concurrency}"
+    return "limit " + ",".join(f"{l.limit}/{l.ceiling}" for l in self.limits)
+
+# %% ../../nbs/models/08_http.ipynb #6e548297
+@patch
+def generate(self:APIBackend, requests:list[GenRequest])->Iterator[tuple[int, Generation]]:
+    "Yield `(index, Generation)` for each request as it completes; failures become finish_reason `error`"
+    async def call(client, req):
+        t0 = time.perf_counter()
+        g = await self._agenerate(client, req)
+        g.latency_s = time.perf_counter() - t0
+        return g
+    return self._stream(requests, call, lambda e, n: Generation("", "error", error=self.describe_error(e, n)))
+
+# %% ../../nbs/models/08_http.ipynb #48c8143c
+@patch
+def score(self:APIBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
+    "Yield `(index, Scores)` as each completes: log-probabilities of the candidate keys after the prefix"
+    self._check_scoring()
+    async def call(client, req):
+        t0 = time.perf_counter()
+        s = await self._ascore(client, req)
+        s.latency_s = time.perf_counter() - t0
+        return s
+    return self._stream(requests, call, lambda e, n: Scores({}, error=self.describe_error(e, n)))
+
+# %% ../../nbs/models/08_http.ipynb #d3b8f984
+@patch
+def _check_scoring(self:APIBackend):
+    "Refuse log-probability scoring, which a chat API cannot do after an assistant prefix (a backend that can overrides it)"
+    raise ConfigError(f"{self.kind}:{self.model} cannot score option log-probabilities (the API returns none "
+                      "after an assistant prefix); use --scoring generate")

@@ -5,6 +5,7 @@
 # %% ../../nbs/models/08b_openai.ipynb #2c307de8
 from __future__ import annotations
 import math, os, re
+from fastcore.basics import patch as fc_patch   # (the notebook's tests use unittest.mock's patch)
 from urllib.parse import urlsplit
 from ..core import ConfigError
 from .base import GenRequest, Generation, ScoreRequest, Scores, register_backend
@@ -14,8 +15,8 @@ from ..protocols import openai_response_format   # the paper protocol's reply sc
 
 # %% auto #0
 __all__ = ['OPENAI_REASONING_MODEL', 'OPENAI_CLIENTS', 'SERVED_FIELDS', 'OPENAI_ENCODINGS', 'openai_tool_calls', 'openai_tools',
-           'openai_generation', 'openai_scores', 'OpenAIBackend', 'ServedUnknown', 'served_checkpoint', 'served',
-           'identity', 'engine_record', 'token_encoding']
+           'openai_generation', 'openai_scores', 'OpenAIBackend', 'chat_params', 'score_params', 'ServedUnknown',
+           'served_checkpoint', 'served', 'identity', 'engine_record', 'token_encoding']
 
 # %% ../../nbs/models/08b_openai.ipynb #f3aaede0
 def openai_tool_calls(message:dict)->list|None:
@@ -74,6 +75,7 @@ def openai_scores(completion:dict,  # a one-token chat completion with `top_logp
 OPENAI_REASONING_MODEL = re.compile(r"^(o\d|gpt-5)", re.I)   # OpenAI model names that reason (and take no temperature)
 OPENAI_CLIENTS = ("lean", "sdk")
 
+# %% ../../nbs/models/08b_openai.ipynb #fd5a7c35
 class OpenAIBackend(APIBackend):
     "OpenAI's API, or any OpenAI-compatible server (vLLM, SGLang, …) given `base_url`"
     kind, key_envs, base_url_env, example = "openai", ("OPENAI_API_KEY",), "OPENAI_BASE_URL", "gpt-4o-mini"
@@ -114,48 +116,70 @@ class OpenAIBackend(APIBackend):
     @property
     def reasons(self)->bool: return self.reasoning_model or super().reasons
 
-    def chat_params(self, req:GenRequest)->dict:
-        "Keyword arguments of `chat.completions.create` for one generate request"
-        p = {"model": self.model, "messages": [dict(m) for m in req.messages],
-             self.max_tokens_param: req.max_new_tokens or self.max_new_tokens}
-        if self.temperature is not None: p["temperature"] = self.temperature
-        if self.reasoning_effort is not None: p["reasoning_effort"] = self.reasoning_effort
-        if self.top_p is not None: p["top_p"] = self.top_p
-        seed = self.seed if req.sample is None else (self.seed or 0) + req.sample   # --samples K: a seed per sample
-        if seed is not None: p["seed"] = seed
-        if self.extra_body: p["extra_body"] = dict(self.extra_body)
-        fmt = req.reply_format or ("strict" if req.response_schema else None)
-        if fmt: p["response_format"] = openai_response_format(req.response_schema, fmt)
-        if req.tools: p |= openai_tools(req.tools)
-        return p
+# %% ../../nbs/models/08b_openai.ipynb #576177d8
+@fc_patch
+def chat_params(self:OpenAIBackend, req:GenRequest)->dict:
+    "Keyword arguments of `chat.completions.create` for one generate request"
+    p = {"model": self.model, "messages": [dict(m) for m in req.messages],
+         self.max_tokens_param: req.max_new_tokens or self.max_new_tokens}
+    if self.temperature is not None: p["temperature"] = self.temperature
+    if self.reasoning_effort is not None: p["reasoning_effort"] = self.reasoning_effort
+    if self.top_p is not None: p["top_p"] = self.top_p
+    seed = self.seed if req.sample is None else (self.seed or 0) + req.sample   # --samples K: a seed per sample
+    if seed is not None: p["seed"] = seed
+    if self.extra_body: p["extra_body"] = dict(self.extra_body)
+    fmt = req.reply_format or ("strict" if req.response_schema else None)
+    if fmt: p["response_format"] = openai_response_format(req.response_schema, fmt)
+    if req.tools: p |= openai_tools(req.tools)
+    return p
 
-    def score_params(self, req:ScoreRequest)->dict:
-        "Keyword arguments of `chat.completions.create` for one score request (vLLM-style prefix continuation)"
-        return {"model": self.model, "messages": [*map(dict, req.messages), {"role": "assistant", "content": req.prefix}],
-                self.max_tokens_param: 1, "temperature": 0.0, "logprobs": True, "top_logprobs": self.top_logprobs,
-                "extra_body": {**(self.extra_body or {}), "continue_final_message": True, "add_generation_prompt": False}}
+# %% ../../nbs/models/08b_openai.ipynb #3a17d91f
+@fc_patch
+def score_params(self:OpenAIBackend, req:ScoreRequest)->dict:
+    "Keyword arguments of `chat.completions.create` for one score request (vLLM-style prefix continuation)"
+    return {"model": self.model, "messages": [*map(dict, req.messages), {"role": "assistant", "content": req.prefix}],
+            self.max_tokens_param: 1, "temperature": 0.0, "logprobs": True, "top_logprobs": self.top_logprobs,
+            "extra_body": {**(self.extra_body or {}), "continue_final_message": True, "add_generation_prompt": False}}
 
-    def _check_scoring(self):
-        if self.official:
-            raise ConfigError(f"openai:{self.model}: OpenAI's API cannot continue an assistant prefix (and its reasoning models "
-                              "return no logprobs), so log-probability scoring needs an OpenAI-compatible server such as vLLM "
-                              "(base_url / --base-url); use --scoring generate")
+# %% ../../nbs/models/08b_openai.ipynb #7890fbf3
+@fc_patch
+def _check_scoring(self:OpenAIBackend):
+    "Refuse log-probability scoring on OpenAI's own API (an OpenAI-compatible server can continue a prefix)"
+    if self.official:
+        raise ConfigError(f"openai:{self.model}: OpenAI's API cannot continue an assistant prefix (and its reasoning models "
+                          "return no logprobs), so log-probability scoring needs an OpenAI-compatible server such as vLLM "
+                          "(base_url / --base-url); use --scoring generate")
 
-    def _open_client(self, base_url:str|None=None):
-        url = base_url or self.base_url or self.OFFICIAL_URL
-        if self.client == "lean": return LeanClient(url, self._api_key(), self.timeout, self.concurrency)
-        import openai
-        return openai.AsyncOpenAI(api_key=self._api_key(), base_url=url, max_retries=0, timeout=split_timeout(self.timeout, openai))
-    async def _create(self, client, params:dict)->dict:
-        "One chat completion as JSON, through the lean client or the SDK (its reply dumped back to JSON)"
-        if self.client == "lean": return await client.create(params)
-        reply = await client.chat.completions.create(**params)
-        return reply.model_dump() if hasattr(reply, "model_dump") else {}    # the SDK returns the text of a reply that is not JSON
-    async def _agenerate(self, client, req): return openai_generation(await self._create(client, self.chat_params(req)))
-    async def _ascore(self, client, req): return openai_scores(await self._create(client, self.score_params(req)), tuple(req.candidates))
+# %% ../../nbs/models/08b_openai.ipynb #fa746ba0
+@fc_patch
+def _open_client(self:OpenAIBackend, base_url:str|None=None):
+    "A client for one URL (default: the only one, else OpenAI's): the lean client, or the SDK's with its retries off"
+    url = base_url or self.base_url or self.OFFICIAL_URL
+    if self.client == "lean": return LeanClient(url, self._api_key(), self.timeout, self.concurrency)
+    import openai
+    return openai.AsyncOpenAI(api_key=self._api_key(), base_url=url, max_retries=0, timeout=split_timeout(self.timeout, openai))
+
+# %% ../../nbs/models/08b_openai.ipynb #6f26b204
+@fc_patch
+async def _create(self:OpenAIBackend, client, params:dict)->dict:
+    "One chat completion as JSON, through the lean client or the SDK (its reply dumped back to JSON)"
+    if self.client == "lean": return await client.create(params)
+    reply = await client.chat.completions.create(**params)
+    return reply.model_dump() if hasattr(reply, "model_dump") else {}    # the SDK returns the text of a reply that is not JSON
+
+# %% ../../nbs/models/08b_openai.ipynb #5ffa6f5c
+@fc_patch
+async def _agenerate(self:OpenAIBackend, client, req):
+    "One generate request: its chat completion, read as a `Generation`"
+    return openai_generation(await self._create(client, self.chat_params(req)))
+
+# %% ../../nbs/models/08b_openai.ipynb #f5d8e229
+@fc_patch
+async def _ascore(self:OpenAIBackend, client, req):
+    "One score request: its one-token completion, read as the candidates' `Scores`"
+    return openai_scores(await self._create(client, self.score_params(req)), tuple(req.candidates))
 
 # %% ../../nbs/models/08b_openai.ipynb #e951729f
-from fastcore.basics import patch as fc_patch   # (the notebook's tests use unittest.mock's patch)
 from ..core import MedsafeError, safe_url, scrub_secrets
 from .base import Backend
 from .http import CONNECT_TIMEOUT

@@ -85,6 +85,33 @@ def _is_tiny(path:Path, params:dict|None=None)->bool:
     except (OSError, ValueError): return False
     return params is None or found == params
 
+# %% ../../nbs/models/06d_tiny.ipynb #f9bc00ec
+def _random_tiny_llama(tok,             # the tiny tokenizer
+                       seed:int,        # seeds the random weights
+                       hidden_size:int, # model width
+                       num_layers:int,  # decoder layers
+                       num_heads:int,   # attention heads (half as many key/value heads)
+                      ):                # a `LlamaForCausalLM` in eval mode
+    "A Llama model with seeded random weights and Qwen3's sampling defaults, sized for the tokenizer"
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, GenerationConfig
+    eos, pad = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2*hidden_size,
+                      num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                      num_key_value_heads=max(1, num_heads//2), max_position_embeddings=4096,
+                      bos_token_id=None, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False,
+                      initializer_range=0.1)    # wider than usual: clear logit margins, stable greedy ties
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():                       # our own generator: independent of the global RNG state
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"): p.fill_(1.0)
+            else: p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
+    # sampling defaults, as Qwen3 ships them: the backend must decode greedily regardless
+    model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, do_sample=True,
+                                               temperature=0.6, top_p=0.95, top_k=20)
+    return model
+
 # %% ../../nbs/models/06d_tiny.ipynb #27dc2c99
 def build_tiny_model(path:str|os.PathLike, # directory to write (created; parents too)
                      seed:int=0,           # seeds the random weights: same seed, byte-identical weights
@@ -99,28 +126,12 @@ def build_tiny_model(path:str|os.PathLike, # directory to write (created; parent
     if _is_tiny(path, params): return path
     if path.exists() and any(path.iterdir()) and not _is_tiny(path):
         raise ConfigError(f"{path} exists and is not a tiny model built by medsafe_nb.testing.doubles; refusing to overwrite it")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         tok = train_tiny_tokenizer(vocab_size)
-        eos, pad = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2*hidden_size,
-                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                          num_key_value_heads=max(1, num_heads//2), max_position_embeddings=4096,
-                          bos_token_id=None, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False,
-                          initializer_range=0.1)    # wider than usual: clear logit margins, stable greedy ties
-        gen = torch.Generator().manual_seed(seed)
-        model = LlamaForCausalLM(cfg).eval()
-        with torch.no_grad():                       # our own generator: independent of the global RNG state
-            for name, p in sorted(model.named_parameters()):
-                if name.endswith("norm.weight"): p.fill_(1.0)
-                else: p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
-        # sampling defaults, as Qwen3 ships them: the backend must decode greedily regardless
-        model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, do_sample=True,
-                                                   temperature=0.6, top_p=0.95, top_k=20)
+        model = _random_tiny_llama(tok, seed, hidden_size, num_layers, num_heads)
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try: model.save_pretrained(tmp); tok.save_pretrained(tmp)

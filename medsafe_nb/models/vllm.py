@@ -15,9 +15,9 @@ from .vllm_forced import FORCE_KEY, PLUGIN, PLUGIN_MODULE
 from .openai import OpenAIBackend
 
 # %% auto #0
-__all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'GENERATION_CONFIGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'EngineError',
-           'find_vllm_python', 'visible_gpus', 'vllm_args', 'forced_plugin_dir', 'free_port', 'VLLMServer',
-           'VLLMBackend', 'ServedText', 'forced_logprob', 'vllm_backend', 'vllm_engine']
+__all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'GENERATION_CONFIGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'CPU_BLOCK_SIZE',
+           'EngineError', 'find_vllm_python', 'visible_gpus', 'vllm_args', 'forced_plugin_dir', 'free_port',
+           'VLLMServer', 'VLLMBackend', 'ServedText', 'forced_logprob', 'vllm_backend', 'vllm_engine']
 
 # %% ../../nbs/models/07a_vllm.ipynb #588f6ab6
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -67,6 +67,7 @@ VLLM_FLAGS = {          # model argument -> vLLM flag (values as strings; True: 
 GENERATION_CONFIGS = ("auto", "vllm")   # auto: the checkpoint's generation_config.json fills what a request leaves unset; vllm: vLLM's own defaults
 INPROCESS_ONLY = ("batch_size", "device", "device_map", "attn_implementation", "key_scoring", "temperature", "top_p")
 DEFAULT_MAX_LOGPROBS = 100      # top tokens a score request may ask for (vLLM's default cap is 20)
+CPU_BLOCK_SIZE = 32             # KV-cache block on a CPU (vLLM's CPU default is 128): a prompt shared through the prefix cache leaves less to recompute
 
 def vllm_args(model_args:dict|None=None, # model arguments (--model-args / params `model_args`)
               gpus:int|None=None,        # visible GPUs (default: `visible_gpus()`)
@@ -84,6 +85,7 @@ def vllm_args(model_args:dict|None=None, # model arguments (--model-args / param
     if a.get("dtype", "auto") == "auto": a["dtype"] = "auto" if gpus else "float32"
     a.setdefault("max_logprobs", DEFAULT_MAX_LOGPROBS)
     a.setdefault("generation_config", "auto")
+    if not gpus: a.setdefault("block_size", CPU_BLOCK_SIZE)
     if a["generation_config"] not in GENERATION_CONFIGS:
         raise ConfigError(f"--engine vllm: generation_config must be {' or '.join(GENERATION_CONFIGS)}, got {a['generation_config']!r}")
     flags = []
@@ -336,9 +338,9 @@ def score(self:VLLMBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Sc
         i, (ids, conts) = job
         t0 = time.perf_counter()
         if any(not c for c in conts): return Scores({}, error="vllm: an option text has no tokens")
-        first = await client.create(body(ids, conts[0]), url=url)      # reads the prompt: the other options find it in the prefix cache
-        rest = await asyncio.gather(*(client.create(body(ids, c), url=url) for c in conts[1:]))
-        vals = [forced_logprob(rep, c) for rep, c in zip([first, *rest], conts)]
+        await client.create(body(ids, conts[0][:1]), url=url)          # reads the prompt (one step): every option then finds it in the prefix cache
+        reps = await asyncio.gather(*(client.create(body(ids, c), url=url) for c in conts))
+        vals = [forced_logprob(rep, c) for rep, c in zip(reps, conts)]
         return Scores(dict(zip(reqs[i].candidates, vals)), prompt_tokens=len(ids) + sum(map(len, conts)), latency_s=time.perf_counter() - t0)
     return self._stream(list(enumerate(prepared)), call, lambda e, n: Scores({}, error=self.describe_error(e, n)))
 

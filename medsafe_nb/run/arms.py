@@ -9,7 +9,7 @@ import pandas as pd
 from ..core import MITIGATIONS
 from ..items.schema import Item
 from ..models.base import make_backend
-from .runner import run_benchmark, FOLLOWUP_MITIGATIONS
+from .predict import run_benchmark, FOLLOWUP_MITIGATIONS
 from ..mitigate.defences import mitigation_parts, with_search, search_log_path, search_columns
 
 # %% auto #0
@@ -36,7 +36,7 @@ def run_factorial(items:list[Item],        # the items
                                   log=search_log_path(ledger) if ledger else None, mode="retrieve", scoring=scoring, k=k, position=position)
             if arm in FOLLOWUP_MITIGATIONS and not backend.is_llm: backend.close(); continue   # a baseline reads no question: nothing to check
             with backend:
-                df = run_benchmark(items, backend, conditions, seed=seed, scoring=scoring, mitigation=arm,
+                df = run_benchmark(items, backend, conditions=conditions, seed=seed, scoring=scoring, mitigation=arm,
                                    ledger=ledger, progress=progress)
             df = search_columns(df, backend)
             label = m.get("label") or backend.name

@@ -74,17 +74,17 @@ class RunConfig:
     out: str|None = _opt(None, "run folder: predictions.parquet, run.json, ledger.sqlite")
     ledger: str|None = _opt(None, "response ledger (default OUT/ledger.sqlite); share one across runs to reuse answers")
     progress: bool = _opt(True, "progress bars")
-    # --- engine: how a model runs (the kind's engines in the backend registry); make_backend picks the factory ---
+
     engine: str = _opt("inprocess", "inprocess | vllm (hf models: serve through a vLLM child process; see medsafe_nb.models.vllm)")
     vllm_python: str|None = _opt(None, "Python of the vLLM environment (default: MEDSAFE_VLLM_PYTHON, else .venv-vllm of the checkout)", engine=True)
-    # --- prompt protocol: read by run() and protocols.build_prompts; the prompt is part of the rendered messages ---
+
     prompt: str = _opt("compact", "prompt protocol: paper (the authors' structure: two frames, then JSON thinking_process + answer_letter) | controlled (one frame) | compact | a protocol file (YAML)")
     format: str = _opt("mcq", "mcq (the options shown, as in the paper) | open (not shown: the free-text reply is graded to an option or none, see --grader)")
     grader: str = _opt("minilm", "--format open: what maps a free-text reply to an option: minilm (offline similarity) | a model spec (shown the options and the reply only)")
     delivery: str = _opt("inline", "inline (the context before the question) | dialogue (the context in an earlier user turn, in its framing's voice)")
     turns_before: int = _opt(0, "--delivery dialogue: neutral exchanges between the claim and the question")
     structured: str|None = _opt(None, "reply shaping: auto (default: the protocol's reply format for the provider) | strict (a JSON schema whose answer is one of the item's keys) | off")
-    # --- mitigations: read by run() through medsafe_nb.items.subset (subset_items) and medsafe_nb.mitigate.defences (search_backend); the search settings join the ledger identity ---
+
     subset: int|None = _opt(None, "draw N items stratified by split x content x provenance (subset.subset_items); the ids go into run.json")
     subset_seed: int = _opt(0, "seed of the --subset draw")
     search: str|None = _opt(None, "search provider of --mitigation search / warning+search: bm25:PATH | serper | tavily | brave | replay:PATH", search="search")
@@ -95,13 +95,12 @@ class RunConfig:
     max_evidence_tokens: int = _opt(1500, "evidence tokens per item (approximate tokens: words and punctuation)", search="max_evidence_tokens")
     search_timeout: float = _opt(20.0, "seconds per search call (web APIs: per try; 429, 5xx and timeouts are retried)", search="timeout")
 
-    # --- reliability: network limits (API backends), exit status, reuse of --out, prompt log ---
     timeout: float|None = _opt(None, "seconds to wait for a reply, per try (API models; default 600, sized for reasoning models; connect: 10)", backend=True)
     max_retries: int|None = _opt(None, "retries of a failed request: 429, 5xx, timeouts, dropped connections (API models; default 6)", backend=True)
     max_error_rate: float = _opt(1.0, "exit non-zero when more than this share of rows is not ok (0-1; rows with status error always exit non-zero)")
     overwrite: bool = _opt(False, "replace a run folder that holds another model's run")
     log_prompts: bool = _opt(False, "write the rendered messages of every row to OUT/prompts.jsonl (keyed by prompt_id)")
-    # --- provider scale: cost, budget, batch APIs (medsafe_nb.run.cost, medsafe_nb.models.batch) ---
+
     dry_run: bool = _opt(False, "print the estimate (prompts missing from the ledger, tokens, cost) and ask no model anything")
     prices: str|None = _opt(None, "price table (YAML, USD per million tokens, each row with its source and date); default: the one shipped with medsafe_nb")
     max_cost: float|None = _opt(None, "USD the run folder may spend in all, across reruns (kept in OUT/spend.jsonl): a run stops before a request whose worst case would cross it (exit 4); rerun with a larger cap to continue")
@@ -112,9 +111,139 @@ class RunConfig:
 
     def __post_init__(self): self.check()
 
-# %% ../../nbs/run/04a_config.ipynb #e283e104
+# %% ../../nbs/run/04a_config.ipynb #dc0f0fde
 MAX_SAMPLES = 10_000   # replies per prompt at most (--samples): each is its own request
 
+# %% ../../nbs/run/04a_config.ipynb #78ef993b
+def _number(test,     # test(value) -> bool, for a number
+            msg:str,  # what is wrong otherwise
+           ):         # a checker: value -> what is wrong, or None
+    "A checker of a number (int or float, not a bool) that passes `test`"
+    return lambda v: None if isinstance(v, (int, float)) and not isinstance(v, bool) and test(v) else msg
+
+# %% ../../nbs/run/04a_config.ipynb #d3800d30
+def _integer(test,     # test(value) -> bool, for an integer
+             msg:str,  # what is wrong otherwise
+            ):         # a checker: value -> what is wrong, or None
+    "A checker of an integer that passes `test`"
+    return lambda v: None if is_int(v) and test(v) else msg
+
+# %% ../../nbs/run/04a_config.ipynb #3aff7994
+def _one_of(what:str,       # the field in words, as the message names it
+            known:tuple,    # the values it takes
+            use:bool=True,  # the message says `use A or B` (else `known: A, B, ...`)
+           ):               # a checker: value -> what is wrong, or None
+    "A checker of one value of a vocabulary"
+    tail = f"use {' or '.join(known)}" if use else f"known: {', '.join(known)}"
+    return lambda v: None if v in known else f"unknown {what} {v!r}; {tail}"
+
+# %% ../../nbs/run/04a_config.ipynb #78490c80
+_NOT_TEXT = "expected a non-empty string"
+
+def _text(check,               # check(value) -> what is wrong, or None, for a string
+          empty_ok:bool=False, # an empty string goes to `check` too
+         ):                    # a checker: value -> what is wrong, or None
+    "A checker of a string field: `check` for a (non-empty) string, else the string fields' message"
+    return lambda v: check(v) if isinstance(v, str) and (empty_ok or v.strip()) else _NOT_TEXT
+
+# %% ../../nbs/run/04a_config.ipynb #94da712f
+def _conditions_problem(value)->str|None:
+    "What is wrong with a conditions value (comma-separated text or a sequence): empty, unknown, or one given twice"
+    cs = [c.strip() for c in value.split(",")] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not cs or not all(isinstance(c, str) and c for c in cs): return "expected conditions, e.g. clean,type1,type2"
+    bad = [c for c in cs if c not in ALL_CONDITIONS]
+    if bad: return f"unknown condition(s) {', '.join(bad)}; known: {', '.join(ALL_CONDITIONS)}"
+    twice = [c for c in dict.fromkeys(cs) if cs.count(c) > 1]
+    return f"{', '.join(twice)} given more than once (each condition is run once)" if twice else None
+
+# %% ../../nbs/run/04a_config.ipynb #d70bb571
+def _effort_problem(value)->str|None:
+    "What is wrong with a reasoning effort: one of EFFORTS, or a thinking-token budget (an integer, or its digits)"
+    ok = value in EFFORTS or (is_int(value) and value >= 0) or (isinstance(value, str) and value.isdigit())
+    return None if ok else f"expected one of {', '.join(EFFORTS)} or a thinking-token budget (an integer)"
+
+# %% ../../nbs/run/04a_config.ipynb #b2740e42
+def _spec_problem(value:str)->str|None:
+    "What is wrong with a model spec (`models.base.model_spec` reads it)"
+    from medsafe_nb.models.base import model_spec   # backends sit above config in the data flow: read it only when asked
+    try: model_spec(value)
+    except ConfigError as e: return str(e)
+    return None
+
+# %% ../../nbs/run/04a_config.ipynb #7c107f4a
+def _prompt_problem(value)->str|None:
+    "What is wrong with a prompt protocol: a shipped name or a protocol file, read and checked now"
+    if not isinstance(value, (str, Path)) or not str(value).strip(): return f"expected {', '.join(PROMPTS)} or a protocol file"
+    try: load_protocol(value)
+    except ConfigError as e: return str(e).removeprefix("prompt: ")
+    return None
+
+# %% ../../nbs/run/04a_config.ipynb #d46e4bb7
+def _structured_problem(value)->str|None:
+    "What is wrong with a reply-shaping setting (`core.structured_mode` reads it)"
+    try: structured_mode(value)
+    except ConfigError as e: return str(e).removeprefix("structured: ")
+    return None
+
+# %% ../../nbs/run/04a_config.ipynb #1cad239f
+def _count_problem(value)->str|None:
+    "What is wrong with a count of items, tokens, prompts or requests: not an integer, or under 1"
+    if not is_int(value): return "expected an integer"
+    return None if value >= 1 else "expected an integer >= 1"
+
+# %% ../../nbs/run/04a_config.ipynb #94705060
+_RUN_CHECKS = {
+    "model": _text(_spec_problem),
+    "conditions": _conditions_problem,
+    "scoring": _text(_one_of("scoring", SCORINGS)),
+    "mitigation": _text(_one_of("mitigation", MITIGATIONS, use=False)),
+    "engine": _text(_one_of("engine", ENGINES)),
+    "model_args": lambda v: None if isinstance(v, (dict, str)) else "expected k=v,... or a mapping",
+    "reasoning_effort": _effort_problem,
+    "temperature": _number(lambda v: 0 <= v <= 2, "expected a temperature between 0 and 2"),
+    "samples": lambda v: None if is_int(v) and 1 <= v <= MAX_SAMPLES else f"expected an integer between 1 and {MAX_SAMPLES:,} (each sample is its own request)",
+    **dict.fromkeys(("limit", "max_new_tokens", "batch_size", "concurrency"), _count_problem)}
+
+# %% ../../nbs/run/04a_config.ipynb #f72d6fc5
+_SEARCH_CHECKS = {
+    **dict.fromkeys(("subset", "search_k", "max_tool_calls", "max_evidence_tokens"), _integer(lambda v: v >= 1, "expected an integer >= 1")),
+    "search_timeout": _number(lambda v: v > 0, "expected seconds > 0"),
+    "search": _text(search_spec_problem, empty_ok=True),
+    "search_mode": _text(_one_of("search mode", SEARCH_MODES, use=False), empty_ok=True),
+    "evidence_position": _text(_one_of("evidence position", EVIDENCE_POSITIONS, use=False), empty_ok=True)}
+
+# %% ../../nbs/run/04a_config.ipynb #baf22dca
+_PROMPT_CHECKS = {
+    "prompt": _prompt_problem,
+    "structured": _structured_problem,
+    "format": _one_of("format", FORMATS),
+    "delivery": _one_of("delivery", DELIVERIES),
+    "turns_before": _integer(lambda v: 0 <= v <= 64, "expected an integer from 0 to 64"),
+    "grader": lambda v: None if v == "minilm" else _spec_problem(v)}
+
+# %% ../../nbs/run/04a_config.ipynb #56ee9b54
+_RELIABILITY_CHECKS = {
+    "timeout": _number(lambda v: v > 0, "expected seconds > 0"),
+    "max_retries": _integer(lambda v: v >= 0, "expected an integer >= 0"),
+    "stop_grace_s": _number(lambda v: v >= 0, "expected seconds >= 0"),
+    "max_cost": _number(lambda v: 0 < v < float("inf"), "expected a finite USD amount > 0"),
+    "batch_wait_s": _number(lambda v: 0 < v < float("inf"), "expected seconds > 0"),
+    "batch_poll_s": _number(lambda v: v >= 0, "expected seconds >= 0"),
+    "max_error_rate": _number(lambda v: 0 <= v <= 1, "expected a share between 0 and 1")}
+
+_FIELD_CHECKS = {**_RUN_CHECKS, **_SEARCH_CHECKS, **_PROMPT_CHECKS, **_RELIABILITY_CHECKS}   # field name -> checker
+
+# %% ../../nbs/run/04a_config.ipynb #06e5ea8a
+def _kind_problem(kind:str, # the field's type, first part (`int` of `int|None`)
+                  value,    # its value (not None)
+                 )->str|None: # what is wrong, or None
+    "What is wrong with `value` for a field without a checker of its own, by its type"
+    if kind == "int": return None if is_int(value) else "expected an integer"
+    if kind == "bool": return None if isinstance(value, bool) else "expected true or false"
+    if kind == "str": return None if isinstance(value, str) and value.strip() else _NOT_TEXT
+    return None
+
+# %% ../../nbs/run/04a_config.ipynb #59b1979f
 def field_problem(name:str, # a RunConfig field
                   value,    # its value
                  )->str|None: # what is wrong, or None
@@ -122,69 +251,8 @@ def field_problem(name:str, # a RunConfig field
     f = RunConfig.__dataclass_fields__.get(name)
     if f is None: return f"unknown option; known: {', '.join(RunConfig.__dataclass_fields__)}"
     if value is None: return None if "None" in str(f.type) or name == "model_args" else "must be set"
-    if name == "conditions":
-        cs = [c.strip() for c in value.split(",")] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
-        if not cs or not all(isinstance(c, str) and c for c in cs): return "expected conditions, e.g. clean,type1,type2"
-        bad = [c for c in cs if c not in ALL_CONDITIONS]
-        if bad: return f"unknown condition(s) {', '.join(bad)}; known: {', '.join(ALL_CONDITIONS)}"
-        twice = [c for c in dict.fromkeys(cs) if cs.count(c) > 1]
-        return f"{', '.join(twice)} given more than once (each condition is run once)" if twice else None
-    if name == "model_args": return None if isinstance(value, (dict, str)) else "expected k=v,... or a mapping"
-    if name == "reasoning_effort":
-        ok = value in EFFORTS or (is_int(value) and value >= 0) or (isinstance(value, str) and value.isdigit())
-        return None if ok else f"expected one of {', '.join(EFFORTS)} or a thinking-token budget (an integer)"
-    # --- mitigations: the search options (their vocabularies are core's) ---
-    if name in ("subset", "search_k", "max_tool_calls", "max_evidence_tokens"): return None if is_int(value) and value >= 1 else "expected an integer >= 1"
-    if name == "search_timeout": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected seconds > 0"
-    if name in ("search", "search_mode", "evidence_position") and isinstance(value, str):
-        if name == "search": return search_spec_problem(value)
-        known = SEARCH_MODES if name == "search_mode" else EVIDENCE_POSITIONS
-        return None if value in known else f"unknown {name.replace('_', ' ')} {value!r}; known: {', '.join(known)}"
-    # --- prompt protocol: a shipped name or a protocol file, read and checked now; the reply shaping ---
-    if name == "prompt":
-        if not isinstance(value, (str, Path)) or not str(value).strip(): return f"expected {', '.join(PROMPTS)} or a protocol file"
-        try: load_protocol(value)
-        except ConfigError as e: return str(e).removeprefix("prompt: ")
-        return None
-    if name == "structured":
-        try: structured_mode(value)
-        except ConfigError as e: return str(e).removeprefix("structured: ")
-        return None
-    if name == "format": return None if value in FORMATS else f"unknown format {value!r}; use {' or '.join(FORMATS)}"
-    if name == "delivery": return None if value in DELIVERIES else f"unknown delivery {value!r}; use {' or '.join(DELIVERIES)}"
-    if name == "turns_before": return None if is_int(value) and 0 <= value <= 64 else "expected an integer from 0 to 64"
-    if name == "grader":
-        if value == "minilm": return None
-        from medsafe_nb.models.base import model_spec
-        try: model_spec(value)
-        except ConfigError as e: return str(e)
-        return None
-    # --- reliability ---
-    if name == "timeout": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else "expected seconds > 0"
-    if name == "max_retries": return None if is_int(value) and value >= 0 else "expected an integer >= 0"
-    if name == "temperature": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 2 else "expected a temperature between 0 and 2"
-    if name == "samples": return None if is_int(value) and 1 <= value <= MAX_SAMPLES else f"expected an integer between 1 and {MAX_SAMPLES:,} (each sample is its own request)"
-    if name == "stop_grace_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else "expected seconds >= 0"
-    if name == "max_cost": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf") else "expected a finite USD amount > 0"
-    if name == "batch_wait_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf") else "expected seconds > 0"
-    if name == "batch_poll_s": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else "expected seconds >= 0"
-    if name == "max_error_rate": return None if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 else "expected a share between 0 and 1"
-    kind = str(f.type).split("|")[0].strip()
-    if kind == "int":
-        if not is_int(value): return "expected an integer"
-        if name in ("limit", "max_new_tokens", "batch_size", "concurrency") and value < 1: return "expected an integer >= 1"
-        return None
-    if kind == "bool": return None if isinstance(value, bool) else "expected true or false"
-    if kind == "str":
-        if not isinstance(value, str) or not value.strip(): return "expected a non-empty string"
-        if name == "engine" and value not in ENGINES: return f"unknown engine {value!r}; use {' or '.join(ENGINES)}"
-        if name == "scoring" and value not in SCORINGS: return f"unknown scoring {value!r}; use {' or '.join(SCORINGS)}"
-        if name == "mitigation" and value not in MITIGATIONS: return f"unknown mitigation {value!r}; known: {', '.join(MITIGATIONS)}"
-        if name == "model":
-            from medsafe_nb.models.base import model_spec   # backends sit above config in the data flow: read it only when asked
-            try: model_spec(value)
-            except ConfigError as e: return str(e)
-    return None
+    check = _FIELD_CHECKS.get(name)
+    return check(value) if check is not None else _kind_problem(str(f.type).split("|")[0].strip(), value)
 
 # %% ../../nbs/run/04a_config.ipynb #92437a58
 @patch

@@ -19,6 +19,7 @@ from ..models.identity import (OPS, KeyingError, canonical_json, request_payload
 from .ledger_file import (LEDGER_APP_ID, LEDGER_TABLES, LEDGER_VERSION, RESPONSE_COLS, LedgerError, assert_no_secrets,
                                         recognise_ledger, salvage_advice)
 from .ledger_batches import BatchTable
+from .ledger_query import LedgerQueries   # stats, rows, export, prune
 
 # %% auto #0
 __all__ = ['GRADE_COLS', 'LedgerCounts', 'Ledger', 'row_problem', 'known_keys', 'cached_generate', 'cached_score',
@@ -53,7 +54,7 @@ def _read_only_message(path:Path, why:str)->str:
             f"(cp {path} NEW.sqlite) and run with --ledger NEW.sqlite. `medsafe ledger check {path}` reads it without writing")
 
 # %% ../../nbs/run/09_ledger.ipynb #8ee971e8
-class Ledger(BatchTable):
+class Ledger(BatchTable, LedgerQueries):
     "A content-addressed SQLite store of backend responses"
     def __init__(self, path:str|os.PathLike, # the SQLite file (parent folders are created); `:memory:` for a throwaway
                  timeout:float=60.0):       # seconds to wait for another process's write lock
@@ -87,27 +88,6 @@ class Ledger(BatchTable):
                 if "locked" not in str(e) or time.monotonic() - t0 > timeout: raise
                 time.sleep(0.05)
 
-    def _init_schema(self):
-        c = self._conn
-        tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if "meta" not in tables:
-            if tables - {"responses"}: raise LedgerError(f"{self.path}: a SQLite database but not a medsafe ledger "
-                                                         f"(tables: {', '.join(sorted(tables))})")
-            c.execute(f"PRAGMA application_id={LEDGER_APP_ID}")
-            c.execute("BEGIN IMMEDIATE")
-            try:
-                for t in LEDGER_TABLES: c.execute(t)
-                c.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('created_at', ?)", (str(LEDGER_VERSION), utc_now()))
-                c.execute("COMMIT")
-            except BaseException: c.execute("ROLLBACK"); raise
-        row = c.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
-        v = int(row[0]) if row and str(row[0]).isdigit() else None
-        if v is None: raise LedgerError(f"{self.path}: ledger has no valid schema_version in its meta table")
-        if v > LEDGER_VERSION:
-            raise LedgerError(f"{self.path}: ledger schema version {v} is newer than this medsafe_nb reads ({LEDGER_VERSION}); "
-                              "upgrade medsafe_nb or use another ledger path")
-        self.version = v
-
     def close(self):
         "Close the connection (SQLite folds the WAL back into the file when the last one closes)"
         with self._lock: self._conn.close()
@@ -118,6 +98,30 @@ class Ledger(BatchTable):
     def __contains__(self, key:str)->bool:
         with self._lock: return self._conn.execute("SELECT 1 FROM responses WHERE key=?", (key,)).fetchone() is not None
     def __repr__(self): return f"Ledger({str(self.path)!r}, rows={len(self)})"
+
+# %% ../../nbs/run/09_ledger.ipynb #795fde21
+@patch
+def _init_schema(self:Ledger):
+    "Create the tables of a new ledger (under its application id); read and check the schema version of an existing one"
+    c = self._conn
+    tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "meta" not in tables:
+        if tables - {"responses"}: raise LedgerError(f"{self.path}: a SQLite database but not a medsafe ledger "
+                                                     f"(tables: {', '.join(sorted(tables))})")
+        c.execute(f"PRAGMA application_id={LEDGER_APP_ID}")
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            for t in LEDGER_TABLES: c.execute(t)
+            c.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('created_at', ?)", (str(LEDGER_VERSION), utc_now()))
+            c.execute("COMMIT")
+        except BaseException: c.execute("ROLLBACK"); raise
+    row = c.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
+    v = int(row[0]) if row and str(row[0]).isdigit() else None
+    if v is None: raise LedgerError(f"{self.path}: ledger has no valid schema_version in its meta table")
+    if v > LEDGER_VERSION:
+        raise LedgerError(f"{self.path}: ledger schema version {v} is newer than this medsafe_nb reads ({LEDGER_VERSION}); "
+                          "upgrade medsafe_nb or use another ledger path")
+    self.version = v
 
 # %% ../../nbs/run/09_ledger.ipynb #88452a6d
 _SQL_VARS = 900  # keys per lookup query, under SQLite's oldest variable limit (999)
@@ -268,31 +272,60 @@ def known_keys(identity:dict, # `backend.identity()`
     if not all(w() is r for w, r in zip(refs, requests)): return None
     return list(keys)
 
-# %% ../../nbs/run/09_ledger.ipynb #24f6b656
-def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str|None, progress:bool, chunk:int|None)->list:
-    req_cls, res_cls, failed = _RESULT_TYPES[op]
-    requests = list(requests)
+# %% ../../nbs/run/09_ledger.ipynb #823473d8
+def _check_requests(requests:list,    # what a cached call was given
+                    op:str,           # `generate` or `score`
+                    chunk:int|None,   # its chunk size
+                   ):
+    "`TypeError` for a request of another op's kind, `ConfigError` for a chunk under one request"
+    req_cls = _RESULT_TYPES[op][0]
     bad = next((r for r in requests if not isinstance(r, req_cls)), None)
     if bad is not None: raise TypeError(f"cached_{op} takes {req_cls.__name__}s, not {type(bad).__name__}")
     if chunk is not None and chunk < 1: raise ConfigError(f"chunk must be a positive number of requests, not {chunk}")
-    identity = assert_no_secrets(backend.identity())
-    ident_json, model = canonical_json(identity), str(identity.get("model", ""))
-    payloads = [payload_json(r) for r in requests]
-    keys = keys_of(ident_json, op, payloads)
-    _remember_keys(requests, keys, ident_json, op)
+
+# %% ../../nbs/run/09_ledger.ipynb #e8832f7e
+def _first_and_again(keys:list[str], # the ledger key of every request, in request order
+                    )->tuple:        # (key -> its first request, key -> the later requests identical to it)
+    "Which request of each key is asked (the first), and which later ones share its answer"
     first: dict[str, int] = {}                            # key -> the first request that has it, in request order
     for i, k in enumerate(keys): first.setdefault(k, i)
     again: dict[str, list[int]] = defaultdict(list)       # key -> the later requests identical to its first (none, as a rule)
     if len(first) < len(keys):
         for i, k in enumerate(keys):
             if first[k] != i: again[k].append(i)
+    return first, again
+
+# %% ../../nbs/run/09_ledger.ipynb #46b44f9f
+def _serve_found(found:dict,     # key -> stored result text, for the keys the ledger holds
+                 first:dict,     # key -> its first request
+                 again:dict,     # key -> the later requests identical to it
+                 op:str,         # `generate` or `score`
+                 path,           # the ledger's path, named when a stored result cannot be read
+                 results:list,   # one slot per request, filled here
+                )->int:          # requests answered from the ledger
+    "Put the ledger's answers into `results`, each request with its own decoded copy"
+    n = 0
+    for k, v in found.items():
+        results[first[k]] = _stored(op, v, path, k)
+        for i in again.get(k, ()): results[i] = _stored(op, v, path, k)
+        n += 1 + len(again.get(k, ()))
+    return n
+
+# %% ../../nbs/run/09_ledger.ipynb #24f6b656
+def _cached(backend:Backend, requests:list, ledger:Ledger|None, op:str, desc:str|None, progress:bool, chunk:int|None)->list:
+    "Ask `backend` (`op`) only what the ledger lacks, store each answer as it arrives; every result, in request order"
+    requests, failed = list(requests), _RESULT_TYPES[op][2]
+    _check_requests(requests, op, chunk)
+    identity = assert_no_secrets(backend.identity())
+    ident_json, model = canonical_json(identity), str(identity.get("model", ""))
+    payloads = [payload_json(r) for r in requests]
+    keys = keys_of(ident_json, op, payloads)
+    _remember_keys(requests, keys, ident_json, op)
+    first, again = _first_and_again(keys)                 # one request asked per key; identical ones share its answer
     found = ledger._lookup(first) if ledger is not None else {}
     write = ledger is not None and is_main_process()
     n, results = LedgerCounts(requests=len(requests)), [None] * len(requests)
-    for k, v in found.items():
-        results[first[k]] = _stored(op, v, ledger.path, k)
-        for i in again.get(k, ()): results[i] = _stored(op, v, ledger.path, k)
-        n.cached += 1 + len(again.get(k, ()))
+    n.cached = _serve_found(found, first, again, op, getattr(ledger, "path", None), results)
     missing = [k for k in first if k not in found]
     bar = tqdm(total=len(requests), initial=n.cached, desc=desc or f"{backend.name} {op}", unit="req", disable=not progress, leave=progress)
     try:
@@ -419,78 +452,6 @@ def grades(self:Ledger, grader:str|None=None, # only this grader's
     out = [dict(zip(GRADE_COLS, r)) for r in rows]
     for d in out: d["request"], d["grade"] = json.loads(d["request"]), json.loads(d["grade"])
     return out
-
-# %% ../../nbs/run/09_ledger.ipynb #e3a68a61
-@patch
-def stats(self:Ledger)->dict: # rows, rows by op and by identity model, distinct identities, schema version
-    "Row counts of the ledger, from one pass over its rows"
-    with self._lock: groups = self._conn.execute("SELECT op, model, identity, COUNT(*) FROM responses GROUP BY op, model, identity").fetchall()
-    by_op, by_model = defaultdict(int), defaultdict(int)
-    for op, model, _, n in groups: by_op[op] += n; by_model[model] += n
-    return {"path": str(self.path), "schema_version": self.version, "rows": sum(n for *_, n in groups),
-            "by_op": dict(sorted(by_op.items())), "by_model": dict(sorted(by_model.items())),
-            "identities": len({identity for _, _, identity, _ in groups})}
-
-# %% ../../nbs/run/09_ledger.ipynb #eb0bf3f5
-@patch
-def identity_changes(self:Ledger, identity:dict, # a backend's identity now
-                     field:str,                   # the part of it that may have changed (e.g. `served`: the checkpoint behind a name)
-                    )->dict:                      # {value of `field`: rows}, over identities equal to `identity` but perhaps there (its own value included)
-    "What the ledger holds for the same configuration by the value of one field (answers of each checkpoint under the same name)"
-    rest = canonical_json({k: v for k, v in identity.items() if k != field})
-    out: dict = {}
-    with self._lock: groups = self._conn.execute("SELECT identity, COUNT(*) FROM responses WHERE model=? GROUP BY identity", (str(identity.get("model", "")),)).fetchall()
-    for ident_json, n in groups:
-        d = json.loads(ident_json)
-        if canonical_json({k: v for k, v in d.items() if k != field}) == rest: out[d.get(field)] = out.get(d.get(field), 0) + n
-    return out
-
-# %% ../../nbs/run/09_ledger.ipynb #bffc1ee4
-def _where(identity:dict|None, op:str|None)->tuple[str, list]:
-    conds, args = [], []
-    if identity is not None: conds.append("identity = ?"); args.append(canonical_json(identity))
-    if op is not None:
-        if op not in OPS: raise LedgerError(f"unknown ledger op {op!r}; known: {', '.join(OPS)}")
-        conds.append("op = ?"); args.append(op)
-    return (" WHERE " + " AND ".join(conds)) if conds else "", args
-
-# %% ../../nbs/run/09_ledger.ipynb #6842369d
-@patch
-def rows(self:Ledger, identity:dict|None=None, # only this identity
-         op:str|None=None,                      # only this op
-        )->Iterator[dict]:                      # key, op, model, identity, request, result (parsed), created_at
-    "Iterate over the stored responses, oldest first"
-    where, args = _where(identity, op)
-    for r in self._conn.execute(f"SELECT {', '.join(RESPONSE_COLS)} FROM responses{where} ORDER BY rowid", args):
-        d = dict(zip(RESPONSE_COLS, r))
-        for c in ("identity", "request", "result"): d[c] = json.loads(d[c])
-        yield d
-
-# %% ../../nbs/run/09_ledger.ipynb #f0ac06f6
-@patch
-def __iter__(self:Ledger)->Iterator[dict]: return self.rows()
-
-# %% ../../nbs/run/09_ledger.ipynb #7da5ef3d
-@patch
-def export(self:Ledger, path:str|os.PathLike, # a .jsonl file (written atomically)
-           identity:dict|None=None, op:str|None=None)->Path:
-    "Write the rows (optionally filtered) as JSON lines"
-    path = Path(path)
-    if path.suffix != ".jsonl": raise LedgerError(f"{path}: ledger export writes .jsonl files")
-    def write_rows(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in self.rows(identity, op): f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return atomic_write(path, write_rows)
-
-# %% ../../nbs/run/09_ledger.ipynb #c3e07c2a
-@patch
-def prune(self:Ledger, identity:dict|None=None, # delete this identity's rows
-          op:str|None=None,                      # delete this op's rows
-         )->int:                                 # rows deleted
-    "Delete rows by identity and/or op (at least one filter is required)"
-    if identity is None and op is None: raise LedgerError("prune needs identity= and/or op= (to empty a ledger, delete its file)")
-    where, args = _where(identity, op)
-    with self._lock: return self._conn.execute(f"DELETE FROM responses{where}", args).rowcount
 
 # %% ../../nbs/run/09_ledger.ipynb #6db4ed69
 @patch

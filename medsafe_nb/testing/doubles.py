@@ -138,14 +138,11 @@ from ..core import SPLITS
 _DEMO_CONTENT = ("relationship_inversion", "threshold_corruption", "cue_remapping", "spurious_anchoring", "exception_poisoning")
 _DEMO_PROVENANCE = ("neutral", "patient", "authority")
 
-def demo_predictions(n_items:int=200, # items per model
-                     models:Sequence[str]=("demo-small", "demo-large@low", "demo-large@high"), # model names
-                     seed:int=0, # seed of the simulation
-                     logprob:bool=False, # also simulate p_gold / p_target (logprob scoring)
-                    )->pd.DataFrame: # a synthetic predictions table (docs/design.md#predictions-table)
-    "A synthetic predictions table with plausible effects (authority > neutral > patient; a model's skill); for examples and tests of the metrics and plots"
-    rng = np.random.default_rng(seed)
-    keys = np.array(list("ABCDE"))
+# %% ../../nbs/testing/06a_doubles.ipynb #3383a72e
+def _demo_items(rng:np.random.Generator, # the simulation's generator
+                n_items:int,             # how many items
+               )->dict:                  # per-item arrays: split, content, provenance, n_opt, gold, target, easy
+    "The simulated items: source split, content, framing, option count, gold and target (as indices), ease"
     split = rng.choice(SPLITS, size=n_items, p=[.28, .36, .14, .2, .02])
     content = rng.choice(_DEMO_CONTENT, size=n_items)
     provenance = rng.choice(_DEMO_PROVENANCE, size=n_items)
@@ -153,37 +150,69 @@ def demo_predictions(n_items:int=200, # items per model
     gold = rng.integers(0, n_opt)
     target = (gold + rng.integers(1, n_opt)) % n_opt
     easy = rng.normal(0, 1, n_items)
+    return dict(split=split, content=content, provenance=provenance, n_opt=n_opt, gold=gold, target=target, easy=easy)
+
+# %% ../../nbs/testing/06a_doubles.ipynb #edb2ed9e
+def _demo_answers(r:np.random.Generator, # the model's generator
+                  model:str,             # its name; a `@high`/`@low` suffix shifts its susceptibility
+                  it:dict,               # the items, from `_demo_items`
+                 )->dict:                # condition -> chosen option index per item
+    "One simulated model's answers under clean, type1 and type2: a skill, and flips that depend on framing and content"
+    n_items, n_opt, gold, target = len(it["gold"]), it["n_opt"], it["gold"], it["target"]
     prov_f = {"neutral": 1.0, "patient": 0.35, "authority": 1.1}
     cont_f = dict(zip(_DEMO_CONTENT, (0.9, 1.1, 0.9, 0.4, 1.2)))
+    skill = 0.4 + 0.5 * r.random()
+    effort = {"high": -0.15, "low": 0.1}.get(model.rsplit("@", 1)[-1], 0.0) if "@" in model else 0.0
+    base1 = np.clip(0.35 + 0.3 * r.random() + effort, 0.05, 0.95)
+    base2 = 0.05 + 0.25 * r.random()
+    p_clean = 1 / (1 + np.exp(-(np.log(skill / (1 - skill)) + it["easy"])))
+    other = lambda avoid: np.array([(a + r.integers(1, n)) % n for a, n in zip(avoid, n_opt)])
+    ans = {}
+    c_ok = r.random(n_items) < p_clean
+    ans["clean"] = np.where(c_ok, gold, other(gold))
+    flip = r.random(n_items) < np.clip(base1 * np.array([prov_f[p] * cont_f[c] for p, c in zip(it["provenance"], it["content"])]), 0, 0.98)
+    t1 = np.where(r.random(n_items) < 0.9, target, other(gold))
+    ans["type1"] = np.where(c_ok, np.where(flip, t1, gold), np.where(r.random(n_items) < 0.5, target, ans["clean"]))
+    flip2 = r.random(n_items) < base2
+    ans["type2"] = np.where(c_ok, np.where(flip2, other(gold), gold), np.where(r.random(n_items) < 0.4, gold, ans["clean"]))
+    return ans
+
+# %% ../../nbs/testing/06a_doubles.ipynb #99a84814
+def _demo_rows(r:np.random.Generator, # the model's generator
+               model:str,             # the model
+               cond:str,              # the condition
+               a:np.ndarray,          # the chosen option index per item
+               it:dict,               # the items, from `_demo_items`
+               logprob:bool,          # also simulate p_gold / p_target
+              )->list[dict]:          # one predictions row per item
+    "The predictions rows of one model under one condition, about 2% of them without an answer"
+    keys, n_items = np.array(list("ABCDE")), len(a)
+    invalid = r.random(n_items) < 0.02
+    status = np.where(invalid, r.choice(["noanswer", "truncated"], size=n_items), "ok")
+    rows = []
+    for i in range(n_items):
+        pred, gold, target = None if invalid[i] else str(keys[a[i]]), it["gold"][i], it["target"][i]
+        row = dict(model=model, item_id=f"demo-{i:04d}", source=str(it["split"][i]), content=str(it["content"][i]),
+                   provenance=str(it["provenance"][i]), condition=cond, target=str(keys[target]) if cond == "type1" else None,
+                   gold=str(keys[gold]), pred=pred, correct=pred == str(keys[gold]), status=str(status[i]),
+                   raw=f'{{"answer": "{pred}"}}' if pred else "", prompt_tokens=200, completion_tokens=8, latency_s=0.1)
+        if logprob:
+            logits = r.normal(0, 1, it["n_opt"][i]); logits[a[i]] += 3.0
+            p = np.exp(logits) / np.exp(logits).sum()
+            row.update(p_gold=float(p[gold]), p_target=float(p[target]))
+        rows.append(row)
+    return rows
+
+# %% ../../nbs/testing/06a_doubles.ipynb #b1a8d65e
+def demo_predictions(n_items:int=200, # items per model
+                     models:Sequence[str]=("demo-small", "demo-large@low", "demo-large@high"), # model names
+                     seed:int=0, # seed of the simulation
+                     logprob:bool=False, # also simulate p_gold / p_target (logprob scoring)
+                    )->pd.DataFrame: # a synthetic predictions table (docs/design.md#predictions-table)
+    "A synthetic predictions table with plausible effects (authority > neutral > patient; a model's skill); for examples and tests of the metrics and plots"
+    it = _demo_items(np.random.default_rng(seed), n_items)
     rows = []
     for mi, model in enumerate(models):
         r = np.random.default_rng([seed, mi])
-        skill = 0.4 + 0.5 * r.random()
-        effort = {"high": -0.15, "low": 0.1}.get(model.rsplit("@", 1)[-1], 0.0) if "@" in model else 0.0
-        base1 = np.clip(0.35 + 0.3 * r.random() + effort, 0.05, 0.95)
-        base2 = 0.05 + 0.25 * r.random()
-        p_clean = 1 / (1 + np.exp(-(np.log(skill / (1 - skill)) + easy)))
-        other = lambda avoid: np.array([(a + r.integers(1, n)) % n for a, n in zip(avoid, n_opt)])
-        ans = {}
-        c_ok = r.random(n_items) < p_clean
-        ans["clean"] = np.where(c_ok, gold, other(gold))
-        flip = r.random(n_items) < np.clip(base1 * np.array([prov_f[p] * cont_f[c] for p, c in zip(provenance, content)]), 0, 0.98)
-        t1 = np.where(r.random(n_items) < 0.9, target, other(gold))
-        ans["type1"] = np.where(c_ok, np.where(flip, t1, gold), np.where(r.random(n_items) < 0.5, target, ans["clean"]))
-        flip2 = r.random(n_items) < base2
-        ans["type2"] = np.where(c_ok, np.where(flip2, other(gold), gold), np.where(r.random(n_items) < 0.4, gold, ans["clean"]))
-        for cond, a in ans.items():
-            invalid = r.random(n_items) < 0.02
-            status = np.where(invalid, r.choice(["noanswer", "truncated"], size=n_items), "ok")
-            for i in range(n_items):
-                pred = None if invalid[i] else str(keys[a[i]])
-                row = dict(model=model, item_id=f"demo-{i:04d}", source=str(split[i]), content=str(content[i]),
-                           provenance=str(provenance[i]), condition=cond, target=str(keys[target[i]]) if cond == "type1" else None,
-                           gold=str(keys[gold[i]]), pred=pred, correct=pred == str(keys[gold[i]]), status=str(status[i]),
-                           raw=f'{{"answer": "{pred}"}}' if pred else "", prompt_tokens=200, completion_tokens=8, latency_s=0.1)
-                if logprob:
-                    logits = r.normal(0, 1, n_opt[i]); logits[a[i]] += 3.0
-                    p = np.exp(logits) / np.exp(logits).sum()
-                    row.update(p_gold=float(p[gold[i]]), p_target=float(p[target[i]]))
-                rows.append(row)
+        for cond, a in _demo_answers(r, model, it).items(): rows += _demo_rows(r, model, cond, a, it, logprob)
     return pd.DataFrame(rows)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from fastcore.basics import patch
-from .mockscript import content_text, user_text, parse_prompt, POLICIES, POLICY_FUNCS, Fault, FaultPlan, as_fault, TOKEN_RE
-from .mockscript import count_tokens, truncate_tokens, REPLY_STYLES, render_reply, render_reasoning, mock_top_logprobs, mock_tool_call
+from .mockscript import content_text, user_text, parse_prompt, POLICIES, POLICY_FUNCS, Fault, FaultPlan, as_fault
+from .mockscript import count_tokens, REPLY_STYLES, render_reply, render_reasoning, mock_tool_call
+from .mockcompletion import completion_object, fit_reply, first_token_logprobs
 
 # %% auto #0
 __all__ = ['BATCH_FAULTS', 'MockServer', 'mock_token_logprob', 'mock_prompt_logprobs', 'multipart_file', 'main']
@@ -112,45 +113,54 @@ class MockServer:
         self._httpd = self._thread = None
         self.batch_polls, self.batch_faults, self._files, self._batches = batch_polls, batch_faults, {}, {}   # survive stop()/start()
 
-    def start(self)->MockServer:
-        "Bind and serve in a background thread"
-        if self._httpd: return self
-        handler = type("Handler", (_Handler,), {"mock": self})
-        self._httpd = _Server((self.host, self.port), handler)
-        self.port = self._httpd.server_address[1]
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"medsafe-mock-{self.port}", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self):
-        "Stop serving and close every open connection"
-        if not self._httpd: return
-        self._stopping.set()
-        self._httpd.shutdown(); self._httpd.server_close()
-        with self._lock: conns = list(self._conns)
-        for c in conns:
-            try: c.shutdown(socket.SHUT_RDWR)
-            except OSError: pass
-        self._thread.join(5)
-        self._httpd = self._thread = None
-
     @property
     def base_url(self)->str:
         "The OpenAI-style base URL, `http://127.0.0.1:PORT/v1`"
         return f"http://{self.host}:{self.port}/v1"
-    @property
-    def requests(self)->list[dict]:
-        "A copy of the request log: one dict per request (n, method, path, body, attempt, fault, status, authorized)"
-        with self._lock: return [dict(r) for r in self._log]
-    def completions(self)->list[dict]:
-        "The log entries of chat-completion requests"
-        return [r for r in self.requests if r["path"].endswith("/chat/completions")]
     def __enter__(self): return self.start()
     def __exit__(self, *exc): self.stop()
     def __repr__(self):
         return f"MockServer({self.base_url if self._httpd else 'stopped'}, policy={getattr(self.policy, '__name__', self.policy)!r})"
+
+# %% ../../nbs/testing/08y_mockserver.ipynb #c781a5fc
+@patch
+def start(self:MockServer)->MockServer:
+    "Bind and serve in a background thread"
+    if self._httpd: return self
+    handler = type("Handler", (_Handler,), {"mock": self})
+    self._httpd = _Server((self.host, self.port), handler)
+    self.port = self._httpd.server_address[1]
+    self._stopping.clear()
+    self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                    name=f"medsafe-mock-{self.port}", daemon=True)
+    self._thread.start()
+    return self
+
+# %% ../../nbs/testing/08y_mockserver.ipynb #bb515207
+@patch
+def stop(self:MockServer):
+    "Stop serving and close every open connection"
+    if not self._httpd: return
+    self._stopping.set()
+    self._httpd.shutdown(); self._httpd.server_close()
+    with self._lock: conns = list(self._conns)
+    for c in conns:
+        try: c.shutdown(socket.SHUT_RDWR)
+        except OSError: pass
+    self._thread.join(5)
+    self._httpd = self._thread = None
+
+# %% ../../nbs/testing/08y_mockserver.ipynb #ee2cf1df
+@patch(as_prop=True)
+def requests(self:MockServer)->list[dict]:
+    "A copy of the request log: one dict per request (n, method, path, body, attempt, fault, status, authorized)"
+    with self._lock: return [dict(r) for r in self._log]
+
+# %% ../../nbs/testing/08y_mockserver.ipynb #70dd0d8b
+@patch
+def completions(self:MockServer)->list[dict]:
+    "The log entries of chat-completion requests"
+    return [r for r in self.requests if r["path"].endswith("/chat/completions")]
 
 # %% ../../nbs/testing/08y_mockserver.ipynb #07d48634
 @patch
@@ -258,10 +268,12 @@ def _check_tool_results(messages:list):
         if m.get("role") == "tool" and m.get("tool_call_id") not in asked:
             raise _BadRequest(f"tool message with tool_call_id {m.get('tool_call_id')!r} answers no earlier tool call")
 
-# %% ../../nbs/testing/08y_mockserver.ipynb #2cf3b71e
+# %% ../../nbs/testing/08y_mockserver.ipynb #11363a26
 @patch
-def _complete(self:MockServer, body:dict, n:int, fault:Fault|None)->dict:
-    "The chat.completion object answering `body`"
+def _completion_request(self:MockServer,
+                        body:dict, # a chat.completions request
+                       )->tuple:   # (messages, continues the last message, the messages asked, logprobs wanted, top_logprobs)
+    "Check a chat request against what this server serves: a continued message, logprobs, tool results"
     messages = body["messages"]
     cont = bool(body.get("continue_final_message"))
     if cont and messages[-1].get("role") != "assistant":
@@ -272,12 +284,19 @@ def _complete(self:MockServer, body:dict, n:int, fault:Fault|None)->dict:
     if want_lp and not self.logprobs: raise _BadRequest("logprobs are not supported with this model (mock server)")
     if k > self.max_top_logprobs: raise _BadRequest(f"top_logprobs must be at most {self.max_top_logprobs}, got {k}")
     _check_tool_results(asked)
+    return messages, cont, asked, want_lp, k
+
+# %% ../../nbs/testing/08y_mockserver.ipynb #2cf3b71e
+@patch
+def _complete(self:MockServer, body:dict, n:int, fault:Fault|None)->dict:
+    "The chat.completion object answering `body`"
+    messages, cont, asked, want_lp, k = self._completion_request(body)
+    model = body.get("model") or self.model
     call = None if cont or body.get("tool_choice") == "none" else mock_tool_call(asked, body.get("tools"), self.tools)
     if call is not None:
         p_tok, c_tok = sum(count_tokens(content_text(m.get("content"))) for m in messages), count_tokens(call["tool_calls"][0]["function"]["arguments"])
-        return {"id": f"chatcmpl-mock-{n}", "object": "chat.completion", "created": int(time.time()), "model": body.get("model") or self.model,
-                "choices": [{"index": 0, "message": call, "logprobs": None, "finish_reason": "tool_calls"}],
-                "usage": {"prompt_tokens": p_tok, "completion_tokens": c_tok, "total_tokens": p_tok + c_tok}}
+        usage = {"prompt_tokens": p_tok, "completion_tokens": c_tok, "total_tokens": p_tok + c_tok}
+        return completion_object(n, model, call, None, "tool_calls", usage)
     parsed = parse_prompt(asked)
     choice = self.policy(asked) if callable(self.policy) else POLICY_FUNCS[self.policy](asked)
     key = choice if self.reply != "raw" else None
@@ -286,30 +305,15 @@ def _complete(self:MockServer, body:dict, n:int, fault:Fault|None)->dict:
         content = render_reply(choice, self.reply, parsed.multi)
         reasoning = render_reasoning(key, parsed.options) if self.reasoning else None
     cap = body.get("max_completion_tokens") or body.get("max_tokens")
-    finish, refusal = "stop", None
-    if fault and fault.kind == "refusal": content, refusal, reasoning = None, "I'm sorry, but I can't help with that request.", None
-    elif fault and fault.kind == "content_filter": content, finish = "", "content_filter"
-    else:
-        r_tok, c_tok = count_tokens(reasoning), count_tokens(content)
-        if fault and fault.kind == "length": cap = min(cap or 10**9, r_tok + max(1, c_tok // 2))
-        if cap is not None and r_tok + c_tok >= cap and (cont or r_tok + c_tok > cap): finish = "length"
-        if cap is not None and r_tok + c_tok > cap:
-            if reasoning and r_tok >= cap: reasoning, content = truncate_tokens(reasoning, cap), ""
-            else: content = truncate_tokens(content, cap - r_tok)
+    content, reasoning, refusal, finish = fit_reply(content, reasoning, cap, fault, cont)
     msg = {"role": "assistant", "content": content, "refusal": refusal}
     if reasoning is not None: msg["reasoning_content"] = reasoning
-    lp = None
-    if want_lp:                                      # log-probabilities of the first generated token only
-        first = (TOKEN_RE.findall(content or "")[:1] or [""])[0]
-        top = mock_top_logprobs(asked, key, parsed.options, max(k, 1)) if cont else [{"token": first, "logprob": 0.0, "bytes": list(first.encode())}]
-        lp = {"content": [dict(top[0], top_logprobs=top[:k])], "refusal": None}
+    lp = first_token_logprobs(asked, key, parsed.options, k, cont, content) if want_lp else None
     p_tok = sum(count_tokens(content_text(m.get("content"))) for m in messages)
     r_tok, c_tok = count_tokens(reasoning), count_tokens(content) + count_tokens(refusal)
-    return {"id": f"chatcmpl-mock-{n}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model") or self.model,
-            "choices": [{"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}],
-            "usage": {"prompt_tokens": p_tok, "completion_tokens": r_tok + c_tok, "total_tokens": p_tok + r_tok + c_tok,
-                      "completion_tokens_details": {"reasoning_tokens": r_tok}}}
+    usage = {"prompt_tokens": p_tok, "completion_tokens": r_tok + c_tok, "total_tokens": p_tok + r_tok + c_tok,
+             "completion_tokens_details": {"reasoning_tokens": r_tok}}
+    return completion_object(n, model, msg, lp, finish, usage)
 
 # %% ../../nbs/testing/08y_mockserver.ipynb #e052b72e
 BATCH_FAULTS = ("expire", "fail_half", "failed", "garble")   # garble: the first line of the output file is cut short (not JSON)
