@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 from ..core import ConfigError
 from .config import RunConfig
-from .ledger import request_key, request_payload
+from ..models.identity import request_key, request_payload
 from .ledger_peek import ledger_count, ledger_has, token_history
 from .cost import (Price, RunSpend, approx_prompt_tokens, load_prices, local_tokenizer, max_output_tokens, price_for,
                                  prompt_counter, request_cost)

@@ -18,7 +18,8 @@ from .config import RunConfig
 from .grading import grade_replies, prediction_status
 from ..models.base import Backend, GenRequest, ScoreRequest, Generation, Scores
 from .predictions import PREDICTION_COLUMNS, read_prediction   # the table's columns, a reply's status
-from .ledger import Ledger, cached_generate, cached_score, request_key, request_payload, known_keys
+from ..models.identity import request_key, request_payload   # a request's identity: the models lane's
+from .ledger import Ledger, cached_generate, cached_score, known_keys
 
 # %% auto #0
 __all__ = ['FOLLOWUP_MITIGATIONS', 'key_probs', 'protocol_for', 'followup_rows', 'run_benchmark']
