@@ -4,7 +4,7 @@
 
 # %% ../../nbs/run/04b_cost.ipynb #edb2cc35
 from __future__ import annotations
-import functools, importlib.util, json, math, sqlite3
+import functools, importlib.util, json, math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator
