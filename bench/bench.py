@@ -7,8 +7,10 @@ rule, `hf_plan.auto_dtype`), with bf16 as the opt-in (`--model-args dtype=bfloat
 interleave the methods, so a slow moment of this shared machine hits all of them; the table shows medians over the
 rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
 
-- scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults, at batch 1, at a
-  fixed batch of 8, a naive loop (one full forward per prompt), and lm-eval's HFLM loglikelihood (batch 1, its
+- scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults (on a CPU in fp32,
+  linear layers by oneDNN from packed weights: `hf_cpu`), at batch 1, at a fixed batch of 8, with
+  `linear_kernels=torch` (nn.Linear), a naive loop (one full forward per prompt, nn.Linear, as are the naive
+  generation loop's), and lm-eval's HFLM loglikelihood (batch 1, its
   default) in the side venv `.venv-harness` (`make harness-env`), and the toolkit with the bf16 opt-in, each against
   the matmul peak of the precision it computes in, measured in each round (MFU = model FLOPs of the prompts / time /
   peak);
@@ -38,14 +40,22 @@ API_ROUNDS = 5   # the API part takes seconds a round, and one slow moment moves
 
 
 def matmul_peak(dtype, n=1024, seconds=0.3)->float:
-    "FLOP/s of the best of three timed stretches of n x n matrix products"
+    """FLOP/s of the best of three timed stretches of n x n matrix products, by torch's matmul and, in fp32, by oneDNN's
+    packed linear (the toolkit's CPU road, `hf_cpu`): the faster kernel sets the peak, so no method can beat it"""
     import torch
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype); a @ b
+    from medsafe_nb.models.hf_cpu import onednn_available
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    kernels = [lambda: a @ b]
+    if dtype == torch.float32 and onednn_available():
+        w = torch.ops.mkldnn._reorder_linear_weight(b, None)
+        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
     best = 0.0
-    for _ in range(3):
-        k, t0 = 0, time.perf_counter()
-        while (dt := time.perf_counter() - t0) < seconds / 3: a @ b; k += 1
-        best = max(best, 2 * n ** 3 * k / dt)
+    for fn in kernels:
+        fn()
+        for _ in range(3):
+            k, t0 = 0, time.perf_counter()
+            while (dt := time.perf_counter() - t0) < seconds / 3 / len(kernels): fn(); k += 1
+            best = max(best, 2 * n ** 3 * k / dt)
     return best
 
 
@@ -65,10 +75,15 @@ class Shape:
         cfg = lm.config
         self.d, self.layers, self.vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
         self.kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-        self.params = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
-        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "embed_tokens" not in n)
-        out, inp = lm.get_output_embeddings().weight, lm.get_input_embeddings().weight
-        if out is inp: self.weight_bytes += out.numel() * out.element_size()   # a tied output matrix: listed once, as the embedding, but read every step
+        from medsafe_nb.models.hf_cpu import is_packed
+        packed = [(n, m.in_features * m.out_features) for n, m in lm.named_modules() if is_packed(m)]   # oneDNN layers hold no `weight`
+        self.params = (sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+                       + sum(k for n, k in packed if "lm_head" not in n))
+        self.weight_bytes = (sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+                             + sum(4 * k for _, k in packed))                  # packed layers are fp32
+        out, inp = lm.get_output_embeddings(), lm.get_input_embeddings().weight
+        if not is_packed(out) and out.weight is inp:                           # a tied output matrix: listed once, as the embedding, but read every step
+            self.weight_bytes += inp.numel() * inp.element_size()
 
     def prefill(self, n:int)->float:
         "FLOPs to read a prompt of n tokens and predict the next one (causal attention, one row of logits)"
@@ -287,7 +302,8 @@ def main():
     old = HFBackend(str(model), batch_size=8, max_new_tokens=args.new_tokens)   # a fixed batch of 8
     one = HFBackend(str(model), batch_size=1, max_new_tokens=args.new_tokens)   # the plan the defaults must never lose to
     bf16 = HFBackend(str(model), dtype="bfloat16", max_new_tokens=args.new_tokens) if "bf16" not in skip and fast.dtype != "bfloat16" else None
-    lm, tok, shape = fast.lm, fast.tokenizer, Shape(fast.lm)
+    plain = HFBackend(str(model), max_new_tokens=args.new_tokens, linear_kernels="torch")   # nn.Linear: the naive loops' model, as a user loads it
+    lm, tok, shape = plain.lm, fast.tokenizer, Shape(fast.lm)
     score_reqs = [ScoreRequest(m, it.keys) for it, m in score_msgs]
     gen_reqs = [GenRequest(m, max_new_tokens=args.new_tokens) for _, m in gen_msgs]
     texts = [fast.prompt_text(m, thinking=False) + r.prefix for (_, m), r in zip(score_msgs, score_reqs)]
@@ -308,13 +324,14 @@ def main():
             except Exception as e: print(f"lm-eval HFLM: not measured ({e}); run `make harness-env`")
         else: print("lm-eval HFLM: not measured: no .venv-harness (run `make harness-env`)")
 
-    R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b1", "score_b8", "score_naive", "score_hflm", "score_bf16", "gen", "gen_naive")}
+    R = {k: [] for k in ("peak", "peak_bf16", "bw", "score", "score_b1", "score_b8", "score_torch", "score_naive", "score_hflm", "score_bf16", "gen", "gen_naive")}
     answers = {}
     for r in range(args.rounds):
         R["peak_bf16"].append(matmul_peak(torch.bfloat16)); R["bw"].append(memory_bandwidth())
         runs = [("score", lambda: best_keys(dict(fast.score(score_reqs)))),
                 ("score_b1", lambda: best_keys(dict(one.score(score_reqs)))),
                 ("score_b8", lambda: best_keys(dict(old.score(score_reqs)))),
+                ("score_torch", lambda: best_keys(dict(plain.score(score_reqs)))),
                 ("score_naive", lambda: naive_score(lm, tok, texts, keys))]
         if hflm: runs.append(("score_hflm", lambda: hflm.run("letter")))
         if bf16: runs.append(("score_bf16", lambda: best_keys(dict(bf16.score(score_reqs)))))
@@ -335,6 +352,7 @@ def main():
     rep = Report()
     ref = med(R["score_hflm"]) if R["score_hflm"] else None
     for key, label in (("score", "toolkit, defaults (auto batch)"), ("score_b1", "toolkit, batch 1"), ("score_b8", "toolkit, fixed batch 8"),
+                       ("score_torch", "toolkit, linear_kernels=torch (nn.Linear)"),
                        ("score_naive", "naive loop (full forward per prompt)"), ("score_hflm", "lm-eval HFLM loglikelihood, bs 1"),
                        ("score_bf16", "toolkit, dtype=bfloat16 (opt-in)")):
         if not R[key]: continue

@@ -16,6 +16,7 @@ from .hf_plan import PLAIN_CHAT_TEMPLATE, merge_system, chat_template_of, chat_p
 from .gguf import gguf_file_path, gguf_checkpoint
 from .hf_score import HFScoring   # `score`: letter and option scoring
 from .hf_decode import HFDecoding, sample_seed   # replies decoded together from prompts read alone
+from .hf_cpu import pack_linears   # fp32 linear layers on a CPU by oneDNN
 
 # %% auto #0
 __all__ = ['split_reasoning', 'HFBackend']
@@ -92,8 +93,10 @@ class HFBackend(HFScoring, HFDecoding, Backend):
                  gguf_file:str|None=None,       # a GGUF file inside the folder or Hub repository `model` (a `.gguf` path needs none)
                  base_url:str|None=None,        # refused: `hf` runs in-process (use openai: for a server)
                  reasoning_effort:str|None=None,# refused: an API option; open-weight models take `thinking`
+                 linear_kernels:str="auto",   # auto: fp32 linear layers on a CPU by oneDNN from packed weights (`hf_cpu`), if a probe agrees; torch: nn.Linear
                 ):
         batch_size = _checked_batch_size(model, dtype, key_scoring, max_new_tokens, batch_size, temperature, base_url, reasoning_effort)
+        if linear_kernels not in ("auto", "torch"): raise ConfigError(f"hf: linear_kernels must be auto or torch, got {linear_kernels!r}")
         self.model, self.label = str(model), label
         revision = self._use_gguf(gguf_file, revision)
         self.max_new_tokens, self.temperature, self.seed = int(max_new_tokens), float(temperature), int(seed)
@@ -102,6 +105,7 @@ class HFBackend(HFScoring, HFDecoding, Backend):
         self.rank, self.world, self.local_rank = dist_env()
         self._load(revision, _flag(trust_remote_code, "trust_remote_code", False), dtype, device, device_map,
                    attn_implementation, chat_template)
+        self.linear_kernels = self._pack_cpu(linear_kernels)   # what computes the linear layers: onednn or torch
         if self.gguf: self.model, self.revision = self.gguf["file"], "gguf-sha256:" + self.gguf["sha256"]   # the file, wherever it lies
         self.batch_size = None if batch_size is None else int(batch_size)    # None: automatic (`_plan`)
         self._micro = self.batch_size            # sub-batch cap (None: none until an out-of-memory error halves it)
@@ -209,6 +213,18 @@ def _load(self:HFBackend, revision, trust_remote_code, dtype, device, device_map
     self._key_cache = {}
     self._merge_system = False
     if self.world > 1: self._join_group()
+
+# %% ../../nbs/models/07_hf.ipynb #a453b424
+@patch
+def _pack_cpu(self:HFBackend, linear_kernels:str)->str:
+    "Compute the fp32 linear layers on a CPU with oneDNN's packed weights unless told not to (`hf_cpu.pack_linears`): the kernels in use"
+    if linear_kernels == "torch" or self.device.type != "cpu" or self.dtype != "float32" or getattr(self.lm, "hf_device_map", None):
+        return "torch"
+    n, diff = pack_linears(self.lm)
+    if n: return "onednn"
+    if diff: warnings.warn(f"hf: {self.model}: oneDNN's packed linear layers move a probe probability by {diff:.1e}; keeping nn.Linear")
+    return "torch"
+
 
 # %% ../../nbs/models/07_hf.ipynb #111032c2
 @patch

@@ -10,7 +10,7 @@ from ..core import ConfigError
 from .base import Backend, GenRequest, Generation, ScoreRequest, Scores, kind_info
 
 # %% auto #0
-__all__ = ['minilm_embed', 'MiniLMBackend']
+__all__ = ['MAX_PAD', 'minilm_embed', 'MiniLMBackend']
 
 # %% ../../nbs/models/06f_minilm.ipynb #74072fe7
 _MINILM: dict = {}
@@ -32,24 +32,29 @@ def _minilm(device:str="cpu"):
     return _MINILM[device]
 
 # %% ../../nbs/models/06f_minilm.ipynb #aa05113d
+MAX_PAD = 0.1   # largest share of padding tokens in one encoder call
+
 def minilm_embed(texts:list[str],      # texts to embed
-                 batch_size:int=64,    # texts per encoder call
+                 batch_size:int=64,    # most texts per encoder call
                  device:str="cpu",     # torch device
                  max_length:int=512,   # tokens kept per text (the encoder's position limit)
                 ):                     # float32 tensor (len(texts), 384), rows of unit length
     "Sentence embeddings: mean-pooled MiniLM token states, L2-normalised (as sentence-transformers computes them)"
     import torch
+    from .hf_plan import plan_batches
     tok, enc = _minilm(device)
     out = torch.zeros(len(texts), enc.config.hidden_size)
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    ids = tok(list(texts), truncation=True, max_length=max_length)["input_ids"]
+    lengths = [len(x) for x in ids]
+    order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
     with torch.inference_mode():
-        for s in range(0, len(order), batch_size):
-            idx = order[s:s+batch_size]
-            b = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+        for idx in plan_batches(order, lengths, batch_size, max_pad=MAX_PAD):
+            b = tok.pad({"input_ids": [ids[i] for i in idx]}, return_tensors="pt").to(device)
             h = enc(**b).last_hidden_state
             m = b["attention_mask"].unsqueeze(-1).to(h.dtype)
             out[idx] = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1).float().cpu()
     return out
+
 
 # %% ../../nbs/models/06f_minilm.ipynb #7b014fdd
 class MiniLMBackend(Backend):
