@@ -160,6 +160,7 @@ def scoring_part(rep, lim, name, sm_fn, worker, flops, N, rounds, ps, labels, pe
 
 def generation_part(rep, lim, sm, gen_reqs, gen_texts, gen_lengths, shape, new, rounds):
     "Greedy generation: medsafe against one `generate` per prompt, and the job's roofline"
+    from medsafe_nb.models.base import make_backend
     plain = make_backend("smollm2", max_new_tokens=new, linear_kernels="torch")   # the naive peer's model, as a user loads it (nn.Linear)
     methods = [("medsafe", lambda: timed(lambda: dict(sm.generate(gen_reqs)))),
                ("naive", lambda: timed(lambda: naive_generate(plain.lm, plain.tokenizer, gen_texts, new)))]
