@@ -41,7 +41,7 @@ def minilm_embed(texts:list[str],      # texts to embed
                 ):                     # float32 tensor (len(texts), 384), rows of unit length
     "Sentence embeddings: mean-pooled MiniLM token states, L2-normalised (as sentence-transformers computes them)"
     import torch
-    from .hf_plan import plan_batches
+    from medsafe_nb.models.hf_plan import plan_batches
     tok, enc = _minilm(device)
     out = torch.zeros(len(texts), enc.config.hidden_size)
     ids = tok(list(texts), truncation=True, max_length=max_length)["input_ids"]
