@@ -147,7 +147,8 @@ def resumed_lookup(dirs:list[Path], release:Path, ledger:Path)->tuple[float, int
     prompts = build_prompts(items, rec["conditions"], seed=rec["seed"], prompt=rec["prompt"], structured=rec.get("structured"))
     class Never(ScaleBackend):
         def generate(self, requests): raise AssertionError(f"asked {len(requests)} requests: not all cached")
-    reqs = [GenRequest(p.messages, rec.get("max_new_tokens"), response_schema=p.response_schema, parts=p.parts) for p in prompts]
+    reqs = [GenRequest(p.messages, rec.get("max_new_tokens"), response_schema=p.response_schema, parts=p.parts, reply_format=p.reply_format,
+                       protocol=p.protocol) for p in prompts]      # as `run/predict` asks them
     n, t0, c0 = 0, time.perf_counter(), time.process_time()
     with Ledger(ledger) as led:
         for d in dirs:
