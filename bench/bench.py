@@ -43,12 +43,14 @@ def matmul_peak(dtype, n=1024, seconds=0.3)->float:
     """FLOP/s of the best of three timed stretches of n x n matrix products, by torch's matmul and, in fp32, by oneDNN's
     packed linear (the toolkit's CPU road, `hf_cpu`): the faster kernel sets the peak, so no method can beat it"""
     import torch
-    from medsafe_nb.models.hf_cpu import onednn_available
+    from medsafe_nb.models.hf_cpu import onednn_available, packed_linear
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     kernels = [lambda: a @ b]
     if dtype == torch.float32 and onednn_available():
-        w = torch.ops.mkldnn._reorder_linear_weight(b, None)
-        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
+        lin = torch.nn.Linear(n, n, bias=False)
+        with torch.no_grad(): lin.weight.copy_(b)
+        packed = packed_linear(lin)
+        kernels.append(lambda: packed(a))
     best = 0.0
     for fn in kernels:
         fn()

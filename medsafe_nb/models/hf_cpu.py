@@ -4,7 +4,6 @@
 
 # %% ../../nbs/models/07f_hf_cpu.ipynb #03e35621
 from __future__ import annotations
-import warnings
 
 # %% auto #0
 __all__ = ['onednn_available', 'packed_linear', 'is_packed', 'pack_linears']

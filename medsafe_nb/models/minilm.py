@@ -8,6 +8,7 @@ import json, time
 from typing import Iterator
 from ..core import ConfigError
 from .base import Backend, GenRequest, Generation, ScoreRequest, Scores, kind_info
+from .hf_plan import plan_batches
 
 # %% auto #0
 __all__ = ['MAX_PAD', 'minilm_embed', 'MiniLMBackend']
@@ -41,7 +42,6 @@ def minilm_embed(texts:list[str],      # texts to embed
                 ):                     # float32 tensor (len(texts), 384), rows of unit length
     "Sentence embeddings: mean-pooled MiniLM token states, L2-normalised (as sentence-transformers computes them)"
     import torch
-    from medsafe_nb.models.hf_plan import plan_batches
     tok, enc = _minilm(device)
     out = torch.zeros(len(texts), enc.config.hidden_size)
     ids = tok(list(texts), truncation=True, max_length=max_length)["input_ids"]
