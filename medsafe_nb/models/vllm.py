@@ -94,6 +94,8 @@ def vllm_args(model_args:dict|None=None, # model arguments (--model-args / param
         if v is None or v is False or str(v).lower() == "false": continue
         flags += [flag] if v is True or str(v).lower() == "true" else [flag, str(v)]
     env = {} if gpus else {"VLLM_CPU_KVCACHE_SPACE": str(kv or os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)}
+    if not gpus and "VLLM_USE_AOT_COMPILE" not in os.environ:
+        env["VLLM_USE_AOT_COMPILE"] = "0"    # vllm-cpu 0.32 cannot load its own AOT artifacts and compiles again at every start; the older cache loads
     return flags + extra, env
 
 # %% ../../nbs/models/07a_vllm.ipynb #bee84224

@@ -134,13 +134,22 @@ def _sql_vars(conn)->int:
 # %% ../../nbs/run/09_ledger.ipynb #f88ca7d7
 @patch
 def _lookup(self:Ledger, keys:Iterable[str])->dict[str, str]:
-    keys, out = sorted(set(keys)), {}             # in key order: each query walks the key index forwards
+    """key -> stored result text, for the keys present: the key index alone says which rows they are (in key order),
+    then the rows are read in the order they lie in the file, both in one read transaction (one snapshot of the file)"""
+    wanted = set(keys)
     step = _sql_vars(self._conn)
+    def each(sql:str, values:list):
+        for s in range(0, len(values), step):
+            part = values[s:s+step]
+            yield from self._conn.execute(sql.format(",".join("?" * len(part))), part)
     with self._lock:
-        for s in range(0, len(keys), step):
-            part = keys[s:s+step]
-            out.update(self._conn.execute(f"SELECT key, result FROM responses WHERE key IN ({','.join('?'*len(part))})", part).fetchall())
-    return out
+        own = not self._conn.in_transaction
+        if own: self._conn.execute("BEGIN")
+        try:
+            rows = sorted(r for (r,) in each("SELECT rowid FROM responses WHERE key IN ({})", sorted(wanted)))
+            return {k: v for k, v in each("SELECT key, result FROM responses WHERE rowid IN ({})", rows) if k in wanted}
+        finally:
+            if own: self._conn.execute("COMMIT")
 
 # %% ../../nbs/run/09_ledger.ipynb #37fe0630
 @patch
