@@ -166,11 +166,16 @@ class HFLMWorker:
         spec.write_text(json.dumps({"model": str(model), "threads": threads,
                                     "jobs": {k: [[t, list(c)] for t, c in zip(*v)] for k, v in jobs.items()}}))
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        self.p = subprocess.Popen([python, str(ROOT / "bench" / "hflm_worker.py"), str(spec)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        log = spec.parent / "worker.log"                    # its stderr: the reason, should it not start
+        with open(log, "w") as err:
+            self.p = subprocess.Popen([python, str(ROOT / "bench" / "hflm_worker.py"), str(spec)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         atexit.register(self.close)
         line = self.p.stdout.readline()
-        if line.strip() != "ready": self.close(); raise RuntimeError(f"hflm worker did not start ({line!r})")
+        if line.strip() != "ready":
+            self.close()
+            last = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the lm-eval worker did not start: {last[:200]} (its log: {log})")
 
     def run(self, job:str):
         self.p.stdin.write(f"run {job}\n"); self.p.stdin.flush()
