@@ -4,17 +4,19 @@
 
 # %% auto #0
 __all__ = ['REQUIRED_COLUMNS', 'KEY_COLUMNS', 'METRIC_KINDS', 'SHOWN_METRICS', 'TABLE1_METRICS', 'USAGE_COLUMNS', 'MetricsError',
-           'MetricsWarning', 'row_keys', 'fail_rows', 'validate_predictions', 'predictions_from_answers',
-           'per_item_counts', 'clean_correct', 'percent_of', 'metric_parts', 'group_metrics', 'condition_metrics',
-           'accuracy', 'invalid_rate', 'attack_success_rate', 'targeted_attack_success_rate', 'flip_to_invalid_rate',
-           'rescue_rate', 'ShownMetric', 'absent_metrics', 'shown_metrics', 'overall_metrics', 'mean_over_splits',
-           'mean_over_models', 'count_chunks', 'bootstrap_counts', 'bootstrap_groups', 'percentile_interval',
-           'mean_over_models_boot', 'bootstrap_ci', 'interval_note', 'usage']
+           'MetricsWarning', 'row_keys', 'fail_rows', 'validate_predictions', 'checked_once',
+           'predictions_from_answers', 'per_item_counts', 'item_counts', 'clean_correct', 'percent_of', 'metric_parts',
+           'group_metrics', 'condition_metrics', 'accuracy', 'invalid_rate', 'attack_success_rate',
+           'targeted_attack_success_rate', 'flip_to_invalid_rate', 'rescue_rate', 'ShownMetric', 'absent_metrics',
+           'shown_metrics', 'overall_metrics', 'mean_over_splits', 'mean_over_models', 'count_chunks',
+           'bootstrap_counts', 'bootstrap_groups', 'percentile_interval', 'mean_over_models_boot', 'bootstrap_ci',
+           'interval_note', 'usage']
 
 # %% ../../nbs/metrics/11_core.ipynb #daae6fd2
-import itertools, warnings
+import contextvars, itertools, warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -82,11 +84,15 @@ def _normalise_sample(df:pd.DataFrame, # a predictions table with a `sample` col
     if bad.any(): fail_rows(bad, source, "sample", f"not a sample index (an integer >= 0): {df['sample'][bad].iloc[0]!r}")
     df["sample"] = df["sample"].astype(int)
 
+# %% ../../nbs/metrics/11_core.ipynb #9cffcf5d
+_CHECKED = contextvars.ContextVar("medsafe_checked_predictions", default=None)   # (the table `checked_once` checked, what is counted of it)
+
 # %% ../../nbs/metrics/11_core.ipynb #7a1aeb8a
 def validate_predictions(preds:pd.DataFrame, # a predictions table (docs/design.md#predictions-table)
                          source:str="predictions", # where it came from (a path), named in errors
                         )->pd.DataFrame: # normalised copy: keys as str/None, `correct` as bool
     "Check a predictions table against the contract; return a normalised copy"
+    if (c := _CHECKED.get()) is not None and preds is c[0]: return preds.copy(deep=False)   # the table `checked_once` checked: not again
     if not isinstance(preds, pd.DataFrame):
         raise MetricsError(f"{source}: expected a pandas DataFrame, got {type(preds).__name__}")
     missing = [c for c in REQUIRED_COLUMNS if c not in preds.columns]
@@ -113,6 +119,17 @@ def validate_predictions(preds:pd.DataFrame, # a predictions table (docs/design.
         fail_rows(dup, source, "item_id", f"more than one row for ({', '.join(keys)}) = "
                    f"({', '.join(repr(r[k]) for k in keys)}); the table has one row per key")
     return df
+
+# %% ../../nbs/metrics/11_core.ipynb #ffff6967
+@contextmanager
+def checked_once(preds:pd.DataFrame,        # a predictions table
+                 source:str="predictions",  # where it came from (a path), named in errors
+                )->Iterator[pd.DataFrame]:  # its normalised copy (`validate_predictions`), not to be changed inside the block
+    "Validate `preds` once; inside the block, the metric functions given the checked copy do not validate it again"
+    df = validate_predictions(preds, source)
+    token = _CHECKED.set((df, {}))
+    try: yield df
+    finally: _CHECKED.reset(token)
 
 # %% ../../nbs/metrics/11_core.ipynb #7466836e
 def predictions_from_answers(answers:Sequence[Mapping], # one dict per item: item_id, gold, clean, type1, target, type2 (+ model, source, content, provenance, p_gold/p_target dicts by condition)
@@ -155,11 +172,19 @@ def per_item_counts(df:pd.DataFrame)->pd.DataFrame:
     out["clean_share"] = np.where(out.has_clean, out.clean_right / out.clean_n.where(out.has_clean, 1), 0.0)   # K samples: the share right
     return out
 
+# %% ../../nbs/metrics/11_core.ipynb #5f88b178
+def item_counts(preds:pd.DataFrame)->pd.DataFrame:
+    "`per_item_counts(validate_predictions(preds))`; of the table `checked_once` checked, counted once for all its tables"
+    c = _CHECKED.get()
+    if c is None or preds is not c[0]: return per_item_counts(validate_predictions(preds))
+    if "items" not in c[1]: c[1]["items"] = per_item_counts(preds)
+    return c[1]["items"].copy(deep=False)
+
 # %% ../../nbs/metrics/11_core.ipynb #455234b8
 def clean_correct(preds:pd.DataFrame, # a predictions table
                  )->pd.Series: # bool per (model, item_id): the item is in the model's Q_cc
     "The clean-correct set Q_cc of every model, as a boolean Series"
-    items = per_item_counts(validate_predictions(preds))
+    items = item_counts(preds)
     return items.set_index(["model", "item_id"]).clean_correct
 
 # %% ../../nbs/metrics/11_core.ipynb #b9134b99
@@ -208,7 +233,7 @@ def _present_conditions(items:pd.DataFrame)->list:
 def condition_metrics(preds:pd.DataFrame, # a predictions table
                      )->pd.DataFrame: # model, condition, n_items, n_clean_correct, accuracy, invalid, asr, tasr, flip_invalid, rescue (percent)
     "Every metric for every model and condition present, items pooled within a model"
-    items = per_item_counts(validate_predictions(preds))
+    items = item_counts(preds)
     out = []
     for cond in _present_conditions(items):
         m = group_metrics(items, ["model"], {k: (cond, k) for k in METRIC_KINDS})
@@ -308,13 +333,13 @@ def overall_metrics(preds:pd.DataFrame, # a predictions table
                     metrics:Mapping=TABLE1_METRICS, # {name: (condition, kind)}
                    )->pd.DataFrame: # one row per model (index), one column per metric, in percent
     "The paper's Overall: each metric per model over its items pooled across splits"
-    items = per_item_counts(validate_predictions(preds))
+    items = item_counts(preds)
     return group_metrics(items, ["model"], metrics)
 
 # %% ../../nbs/metrics/11_core.ipynb #208d8e66
 def mean_over_splits(preds:pd.DataFrame, metrics:Mapping=TABLE1_METRICS)->pd.DataFrame:
     "Unweighted mean over splits of each per-split metric, per model (for contrast: this is not Overall)"
-    items = per_item_counts(validate_predictions(preds))
+    items = item_counts(preds)
     return group_metrics(items, ["model", "source"], metrics).groupby(level="model", sort=False).mean()
 
 # %% ../../nbs/metrics/11_core.ipynb #171d5612
@@ -400,7 +425,7 @@ def bootstrap_ci(preds:pd.DataFrame, # a predictions table
                  level:float=0.95, # coverage of the percentile interval
                 )->pd.DataFrame: # per model: `{name}`, `{name}_lo`, `{name}_hi` in percent
     "Point estimates and paired-bootstrap percentile intervals of each metric, per model"
-    items = per_item_counts(validate_predictions(preds))
+    items = item_counts(preds)
     point = group_metrics(items, ["model"], metrics)
     groups, boot = bootstrap_groups(items, ["model"], metrics, n_boot, seed)
     lo, hi = percentile_interval(boot, level)

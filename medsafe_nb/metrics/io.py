@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ..tables import write_table
-from .core import MetricsError, MetricsWarning, KEY_COLUMNS, REQUIRED_COLUMNS, row_keys, validate_predictions, usage, interval_note
+from .core import MetricsError, MetricsWarning, KEY_COLUMNS, REQUIRED_COLUMNS, row_keys, validate_predictions, checked_once, usage, interval_note
 from ..core import MedsafeError, check_manifest, exclusive_lock
 from .paper import SCOPES, table1, breakdowns, run_configuration, variant_label
 from .significance import mcnemar_table, probability_shift, tasr_baseline, control_table, frame_table
@@ -152,18 +152,18 @@ def metrics_tables(preds:pd.DataFrame, # a predictions table (one or more models
                    origin:str|None=None, # a label every table carries in an `origin` column (`external` for predictions made elsewhere)
                   )->dict: # {"table1", "breakdowns", "mcnemar"[, "logprob"]}: DataFrames at full precision
     "Table 1, the breakdowns, the McNemar tests (and the probability shifts of a logprob run) of a predictions table"
-    preds = with_acc_norm(preds)                          # option scoring: acc and acc_norm, each a row
-    several = preds.model.nunique() > 1
-    tables = {"table1": table1(preds, n_boot=n_boot, seed=seed, mean_row=several, mean_over=mean_over),
-              "breakdowns": breakdowns(preds, n_boot=n_boot, seed=seed, mean_row=several, mean_over=mean_over),
-              "mcnemar": mcnemar_table(preds)}
-    if {"p_gold", "p_target"} <= set(preds.columns) and preds.p_target.notna().any():
-        tables["logprob"] = probability_shift(preds, n_boot=n_boot, seed=seed)
-    if preds.target.notna().any(): tables["tasr_baseline"] = tasr_baseline(preds)          # every TASR beside random flips
-    if not (ctl := control_table(preds, n_boot=n_boot, seed=seed)).empty: tables["controls"] = ctl
-    if not (frm := frame_table(preds, n_boot=n_boot, seed=seed)).empty: tables["frame"] = frm                   # clean_framed beside clean and type1
-    if "prompt_tokens" in preds.columns and preds.prompt_tokens.notna().any():                  # tokens and cost per model (`usage`)
-        tables["usage"] = usage(preds)
+    with checked_once(with_acc_norm(preds)) as preds:    # option scoring: acc and acc_norm, each a row; checked once for every table
+        several = preds.model.nunique() > 1
+        tables = {"table1": table1(preds, n_boot=n_boot, seed=seed, mean_row=several, mean_over=mean_over),
+                  "breakdowns": breakdowns(preds, n_boot=n_boot, seed=seed, mean_row=several, mean_over=mean_over),
+                  "mcnemar": mcnemar_table(preds)}
+        if {"p_gold", "p_target"} <= set(preds.columns) and preds.p_target.notna().any():
+            tables["logprob"] = probability_shift(preds, n_boot=n_boot, seed=seed)
+        if preds.target.notna().any(): tables["tasr_baseline"] = tasr_baseline(preds)          # every TASR beside random flips
+        if not (ctl := control_table(preds, n_boot=n_boot, seed=seed)).empty: tables["controls"] = ctl
+        if not (frm := frame_table(preds, n_boot=n_boot, seed=seed)).empty: tables["frame"] = frm                   # clean_framed beside clean and type1
+        if "prompt_tokens" in preds.columns and preds.prompt_tokens.notna().any():                  # tokens and cost per model (`usage`)
+            tables["usage"] = usage(preds)
     if origin:
         for t in tables.values(): t.insert(1 if "model" in t.columns else 0, "origin", origin)
     return tables

@@ -19,7 +19,7 @@ import pandas as pd
 from ..core import SPLITS
 from ..items import taxonomy
 from .core import (MetricsError, MetricsWarning, TABLE1_METRICS, SHOWN_METRICS, shown_metrics, absent_metrics, validate_predictions, mean_over_models,
-                                fail_rows, per_item_counts, group_metrics, bootstrap_groups, percentile_interval, mean_over_models_boot)
+                                fail_rows, item_counts, group_metrics, bootstrap_groups, percentile_interval, mean_over_models_boot)
 
 # %% ../../nbs/metrics/11a_paper.ipynb #1cb78715
 TABLE1_COLUMNS = ["model", "n_items", *TABLE1_METRICS]
@@ -55,7 +55,7 @@ def missing_attacked(preds:pd.DataFrame, # a predictions table
                      conditions:Sequence[str]=ATTACKED, # the attacked conditions to check
                     )->pd.DataFrame: # model, condition, item_id: one row per missing attacked row
     "Clean-correct items without a row in an attacked condition their model was run on"
-    items = per_item_counts(validate_predictions(preds))
+    items = item_counts(preds)
     rows = []
     for cond in conditions:
         ran = items.groupby("model", sort=False)[f"{cond}_n"].transform("sum") > 0
@@ -202,7 +202,7 @@ def table1(preds:pd.DataFrame, # a predictions table (one or more models)
     "The paper's Table 1 for a predictions table: accuracy, ASR, TASR per model with paired-bootstrap intervals"
     df = validate_predictions(preds)
     scopes = model_scopes(df)
-    items = per_item_counts(df)
+    items = item_counts(preds)
     out, mean = _table1_rows(items, n_boot, seed, level)
     miss = missing_attacked(df)
     out.insert(out.columns.get_loc("n_clean_correct") + 1, "n_missing_attacked",
@@ -308,7 +308,7 @@ def breakdowns(preds:pd.DataFrame, # a predictions table
               )->pd.DataFrame: # model, dimension, category, n_clean_correct, type1_asr, type1_tasr, type2_asr, n_items, clean_acc, category_key (+ *_lo/*_hi)
     "ASR and TASR within each provenance, content and split category, per model and as the Mean over models"
     df = validate_predictions(preds)
-    items = per_item_counts(df)
+    items = item_counts(preds)
     models = list(items.model.unique())
     out = []
     for dim in dimensions:
@@ -340,7 +340,7 @@ def cross_breakdown(preds:pd.DataFrame, # a predictions table
                    )->pd.DataFrame: # model, {rows}, {cols} (display names), n_items, n_clean_correct, type1_asr, type1_tasr, type2_asr, clean_acc
     "Metrics within each cell of two crossed dimensions, per model and as the Mean over models"
     df = validate_predictions(preds)
-    items = per_item_counts(df)
+    items = item_counts(preds)
     by = []
     for dim in (rows, cols):
         if dim not in DIMENSIONS: raise MetricsError(f"unknown breakdown dimension {dim!r}; known: {', '.join(DIMENSIONS)}")
