@@ -173,10 +173,12 @@ def per_item_counts(df:pd.DataFrame)->pd.DataFrame:
     return out
 
 # %% ../../nbs/metrics/11_core.ipynb #5f88b178
-def item_counts(preds:pd.DataFrame)->pd.DataFrame:
+def item_counts(preds:pd.DataFrame,         # a predictions table
+                checked:pd.DataFrame|None=None, # `validate_predictions(preds)`, where the caller has it already
+               )->pd.DataFrame:
     "`per_item_counts(validate_predictions(preds))`; of the table `checked_once` checked, counted once for all its tables"
     c = _CHECKED.get()
-    if c is None or preds is not c[0]: return per_item_counts(validate_predictions(preds))
+    if c is None or preds is not c[0]: return per_item_counts(checked if checked is not None else validate_predictions(preds))
     if "items" not in c[1]: c[1]["items"] = per_item_counts(preds)
     return c[1]["items"].copy(deep=False)
 

@@ -202,7 +202,7 @@ def table1(preds:pd.DataFrame, # a predictions table (one or more models)
     "The paper's Table 1 for a predictions table: accuracy, ASR, TASR per model with paired-bootstrap intervals"
     df = validate_predictions(preds)
     scopes = model_scopes(df)
-    items = item_counts(preds)
+    items = item_counts(preds, df)
     out, mean = _table1_rows(items, n_boot, seed, level)
     miss = missing_attacked(df)
     out.insert(out.columns.get_loc("n_clean_correct") + 1, "n_missing_attacked",
@@ -308,7 +308,7 @@ def breakdowns(preds:pd.DataFrame, # a predictions table
               )->pd.DataFrame: # model, dimension, category, n_clean_correct, type1_asr, type1_tasr, type2_asr, n_items, clean_acc, category_key (+ *_lo/*_hi)
     "ASR and TASR within each provenance, content and split category, per model and as the Mean over models"
     df = validate_predictions(preds)
-    items = item_counts(preds)
+    items = item_counts(preds, df)
     models = list(items.model.unique())
     out = []
     for dim in dimensions:
@@ -340,7 +340,7 @@ def cross_breakdown(preds:pd.DataFrame, # a predictions table
                    )->pd.DataFrame: # model, {rows}, {cols} (display names), n_items, n_clean_correct, type1_asr, type1_tasr, type2_asr, clean_acc
     "Metrics within each cell of two crossed dimensions, per model and as the Mean over models"
     df = validate_predictions(preds)
-    items = item_counts(preds)
+    items = item_counts(preds, df)
     by = []
     for dim in (rows, cols):
         if dim not in DIMENSIONS: raise MetricsError(f"unknown breakdown dimension {dim!r}; known: {', '.join(DIMENSIONS)}")
