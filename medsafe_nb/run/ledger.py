@@ -131,23 +131,25 @@ def _sql_vars(conn)->int:
     try: return max(_SQL_VARS, min(conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) - 1, 32_000))
     except (AttributeError, sqlite3.Error): return _SQL_VARS
 
+def _rows_in(conn, sql:str, values:list):
+    "The rows of `sql` (its `IN ({})` filled with placeholders) over `values`, in queries of `_sql_vars` values each"
+    step = _sql_vars(conn)
+    for s in range(0, len(values), step):
+        part = values[s:s+step]
+        yield from conn.execute(sql.format(",".join("?" * len(part))), part)
+
 # %% ../../nbs/run/09_ledger.ipynb #f88ca7d7
 @patch
 def _lookup(self:Ledger, keys:Iterable[str])->dict[str, str]:
     """key -> stored result text, for the keys present: the key index alone says which rows they are (in key order),
     then the rows are read in the order they lie in the file, both in one read transaction (one snapshot of the file)"""
     wanted = set(keys)
-    step = _sql_vars(self._conn)
-    def each(sql:str, values:list):
-        for s in range(0, len(values), step):
-            part = values[s:s+step]
-            yield from self._conn.execute(sql.format(",".join("?" * len(part))), part)
     with self._lock:
         own = not self._conn.in_transaction
         if own: self._conn.execute("BEGIN")
         try:
-            rows = sorted(r for (r,) in each("SELECT rowid FROM responses WHERE key IN ({})", sorted(wanted)))
-            return {k: v for k, v in each("SELECT key, result FROM responses WHERE rowid IN ({})", rows) if k in wanted}
+            rows = sorted(r for (r,) in _rows_in(self._conn, "SELECT rowid FROM responses WHERE key IN ({})", sorted(wanted)))
+            return {k: v for k, v in _rows_in(self._conn, "SELECT key, result FROM responses WHERE rowid IN ({})", rows) if k in wanted}
         finally:
             if own: self._conn.execute("COMMIT")
 
@@ -441,13 +443,10 @@ def get_grades(self:Ledger, keys:Iterable[str])->dict[str, dict]: # key -> store
     keys, out = sorted(set(keys)), {}
     if not keys: return out
     self._grade_table()
-    step = _sql_vars(self._conn)
     with self._lock:
-        for s in range(0, len(keys), step):
-            part = keys[s:s+step]
-            for k, g in self._conn.execute(f"SELECT key, grade FROM grades WHERE key IN ({','.join('?'*len(part))})", part):
-                try: out[k] = json.loads(g)
-                except ValueError as e: raise LedgerError(f"{self.path}: the stored grade {k[:16]}… cannot be read ({e})") from None
+        for k, g in _rows_in(self._conn, "SELECT key, grade FROM grades WHERE key IN ({})", keys):
+            try: out[k] = json.loads(g)
+            except ValueError as e: raise LedgerError(f"{self.path}: the stored grade {k[:16]}… cannot be read ({e})") from None
     return out
 
 # %% ../../nbs/run/09_ledger.ipynb #36148fbe
