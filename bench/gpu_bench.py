@@ -30,6 +30,17 @@ SHAPES = {"8b": dict(vocab_size=128_256, hidden_size=4096, intermediate_size=14_
                         num_attention_heads=4, num_key_value_heads=2)}
 
 
+class Rows(list):
+    "The table: each row is printed as it is measured"
+    WIDTH = 26
+    def append(self, row):
+        super().append(row)
+        print(f"{row[0]:<{self.WIDTH}}  {row[1]}", flush=True)
+    def __iadd__(self, rows):
+        for r in rows: self.append(r)
+        return self
+
+
 def sync(dev):
     if dev.type == "cuda": torch.cuda.synchronize()
 
@@ -82,28 +93,27 @@ def prompt_flops(L, nonembed, shape):
     return 2 * nonembed * L + 2 * shape["num_hidden_layers"] * shape["hidden_size"] * L * L + 2 * shape["hidden_size"] * shape["vocab_size"]
 
 
-def real_model_rows(prompts, items, new_tokens, dev)->list:
-    "Rates of SmolLM2-135M-Instruct (`smollm2`) on this device: letter scoring, option scoring, generation"
+def real_model_rows(rows, prompts, items, new_tokens, dev):
+    "Rates of SmolLM2-135M-Instruct (`smollm2`) on this device, added to `rows`: letter scoring, option scoring, generation"
     from medsafe_nb.models.base import make_backend, GenRequest, ScoreRequest
     try: b = make_backend("smollm2", max_new_tokens=new_tokens)
-    except Exception as e: return [("real model (smollm2)", f"not measured: {type(e).__name__}: {str(e)[:240]}")]
+    except Exception as e: return rows.append(("real model (smollm2)", f"not measured: {type(e).__name__}: {str(e)[:240]}"))
     try:
         single = [p for p in prompts if not p.multi]
         letters = [ScoreRequest(p.messages, p.keys) for p in single]
         options = [ScoreRequest(p.messages, p.keys, prefix="", continuations=tuple(items[p.item_id].options[k] for k in p.keys)) for p in single]
-        out = [("real model (smollm2)", f"{b.dtype} on {b.device}, batch size {b.batch_size}")]
+        rows.append(("real model (smollm2)", f"{b.dtype} on {b.device}, batch size {b.batch_size or 'automatic'}"))
         for name, reqs in (("letter scoring", letters), ("option scoring", options)):
             list(b.score(reqs[:4])); sync(dev); t0 = time.perf_counter()
             got = [s for _, s in b.score(reqs)]
             sync(dev); dt = time.perf_counter() - t0
-            out.append((f"smollm2 {name}", f"{len(reqs)} prompts: {len(reqs) / dt:.1f} prompts/s ({sum(bool(s.error) for s in got)} errors)"))
+            rows.append((f"smollm2 {name}", f"{len(reqs)} prompts: {len(reqs) / dt:.1f} prompts/s ({sum(bool(s.error) for s in got)} errors)"))
         gen = [GenRequest(p.messages, new_tokens) for p in prompts[:64]]
         list(b.generate(gen[:2])); sync(dev); t0 = time.perf_counter()
         gens = [g for _, g in b.generate(gen)]
         sync(dev); dt = time.perf_counter() - t0
-        out.append(("smollm2 generation", f"{len(gen)} prompts x {new_tokens} new tokens: {sum(g.completion_tokens or 0 for g in gens) / dt:,.0f} tokens/s"))
-        return out
-    except Exception as e: return [("real model (smollm2)", f"FAILED: {type(e).__name__}: {str(e)[:240]}")]
+        rows.append(("smollm2 generation", f"{len(gen)} prompts x {new_tokens} new tokens: {sum(g.completion_tokens or 0 for g in gens) / dt:,.0f} tokens/s"))
+    except Exception as e: rows.append(("real model (smollm2)", f"FAILED: {type(e).__name__}: {str(e)[:240]}"))
     finally: b.close()
 
 
@@ -120,7 +130,9 @@ def main():
     shape, dtype = (SHAPES["small"], torch.float32) if small else (SHAPES["8b"], torch.bfloat16)
     dname = "float32" if dtype == torch.float32 else "bfloat16"
     gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
-    rows = [("device", torch.cuda.get_device_name(0) if gpus else f"cpu ({os.cpu_count()} cores)"),
+    print(f"{'measure':<{Rows.WIDTH}}  value\n{'-' * Rows.WIDTH}  {'-' * 60}", flush=True)
+    rows = Rows()
+    rows += [("device", torch.cuda.get_device_name(0) if gpus else f"cpu ({os.cpu_count()} cores)"),
             ("torch / transformers", f"{torch.__version__} / {__import__('transformers').__version__}")]
     peak = matmul_peak(dev, dtype, 2048 if small else 8192)
     bw = copy_bandwidth(dev, (64 if small else 2048) * 2 ** 20)
@@ -140,7 +152,7 @@ def main():
         rows.append(("model", f"{nonembed / 1e9:.2f} B non-embedding params, {weight_bytes / 2 ** 30:.1f} GiB, built in {time.perf_counter() - t0:.0f} s"))
         t0 = time.perf_counter()
         backend = HFBackend(str(model_dir), dtype=dname, max_new_tokens=args.new_tokens)
-        rows.append(("load (HFBackend)", f"{time.perf_counter() - t0:.1f} s, batch size {backend.batch_size}"))
+        rows.append(("load (HFBackend)", f"{time.perf_counter() - t0:.1f} s, batch size {backend.batch_size or 'automatic'}"))
 
         prompts = build_prompts(load_medmisbench(), ("clean", "type1", "type2"))
         score_reqs = [ScoreRequest(p.messages, p.keys) for p in prompts if not p.multi]
@@ -162,15 +174,13 @@ def main():
         sync(dev); gdt = time.perf_counter() - t0
         new = sum(g.completion_tokens or 0 for g in gens)
         plens = [g.prompt_tokens or 0 for g in gens]
-        B = backend.batch_size
-        batches = [sorted(plens, reverse=True)[i:i + B] for i in range(0, len(plens), B)]
-        bound = sum(sum(prompt_flops(L, nonembed, shape) for L in b) / peak + args.new_tokens * weight_bytes / bw for b in batches)
+        bound = sum(prompt_flops(L, nonembed, shape) for L in plens) / peak + args.new_tokens * weight_bytes / bw   # one batch of all
         tok_rate = new / gdt
         rows += [("generation", f"{len(gen_reqs)} prompts x {args.new_tokens} new tokens: {tok_rate:,.0f} tokens/s ({new} tokens)"),
                  ("generation vs roofline", f"{bound / gdt:.2f} (roofline {bound:.2f} s, measured {gdt:.2f} s)")]
         backend.close(); del backend
         if dev.type == "cuda": torch.cuda.empty_cache()
-        rows += real_model_rows(prompts, {it.id: it for it in load_medmisbench()}, args.new_tokens, dev)
+        real_model_rows(rows, prompts, {it.id: it for it in load_medmisbench()}, args.new_tokens, dev)
         if dev.type == "cuda": torch.cuda.empty_cache()
 
         if args.skip_launch: rows.append(("accelerate launch", "skipped"))
@@ -187,7 +197,7 @@ def main():
             if r.returncode == 0 and (out / "predictions.parquet").exists():
                 import pandas as pd
                 df = pd.read_parquet(out / "predictions.parquet")
-                rows.append(("accelerate launch", f"{n_proc} process(es), {len(df)} rows, {dict(df['status'].value_counts())}, {ldt:.0f} s incl. load"))
+                rows.append(("accelerate launch", f"{n_proc} process(es), {len(df)} rows, { {k: int(v) for k, v in df["status"].value_counts().items()} }, {ldt:.0f} s incl. load"))
             else:
                 lines = [l for l in (r.stderr + r.stdout).splitlines() if l.strip()]
                 why = next((l for l in reversed(lines) if l.startswith("medsafe")), lines[-1] if lines else "no output")
@@ -197,13 +207,10 @@ def main():
         rows += [("full benchmark, scoring", f"{FULL_PROMPTS:,} prompts: ~{FULL_PROMPTS / score_rate / 60:.1f} min on this GPU "
                                              f"(~{FULL_PROMPTS / score_rate / 60 / per_gpu:.1f} min data-parallel over {per_gpu})"),
                  ("full benchmark, generation", "; ".join(f"{n} tokens/reply: ~{FULL_PROMPTS * n / tok_rate / 3600:.1f} h"
-                                                          for n in (256, 2048)) + f" at {tok_rate:,.0f} tokens/s (batch {B}; long replies decode slower)")]
+                                                          for n in (256, 2048)) + f" at {tok_rate:,.0f} tokens/s (long replies decode slower)")]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows.append(("wall time", f"{time.perf_counter() - t_start:.0f} s"))
-    w = max(len(k) for k, _ in rows)
-    print(f"\n{'measure':<{w}}  value\n{'-' * w}  {'-' * 60}")
-    for k, v in rows: print(f"{k:<{w}}  {v}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from .base import ScoreRequest, Scores
 from .hf_plan import continuation_ids
 
 # %% auto #0
-__all__ = ['HFScoring', 'option_rows']
+__all__ = ['SPLIT_SDPA', 'HFScoring', 'option_rows', 'split_sdpa', 'use_split_sdpa']
 
 # %% ../../nbs/models/07d_hf_score.ipynb #d7d0a006
 class HFScoring:
@@ -141,6 +141,32 @@ def option_rows(n:int,             # the context's length (tokens)
         pos += range(n, n + m); s += m
     return pos, allowed
 
+# %% ../../nbs/models/07d_hf_score.ipynb #5b1d7c21
+SPLIT_SDPA = "medsafe_split_sdpa"   # the attention implementation `split_sdpa` is registered under in transformers
+
+def split_sdpa(module, query, key, value, attention_mask, causal_rows:int|None=None, **kwargs):
+    """transformers' sdpa attention; with `causal_rows` (n) and a mask over as many keys as queries, the first n query
+    rows (a one-pass option row's prompt) attend causally among the first n keys without the mask, the others read it"""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+    n = causal_rows
+    if n is None or attention_mask is None or not 0 < n < query.shape[2] or key.shape[2] != query.shape[2]:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    top, _ = sdpa(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], None, **kwargs)
+    rest, _ = sdpa(module, query[:, :, n:], key, value, attention_mask[:, :, n:], **kwargs)
+    return torch.cat([top, rest], 1), None                # (batch, query rows, heads, head dim), as sdpa returns it
+
+def use_split_sdpa(lm)->bool:
+    "Move a model on sdpa attention to `split_sdpa` (the same attention wherever `causal_rows` is not passed); whether it now runs it"
+    impl = getattr(lm.config, "_attn_implementation", None)
+    if impl != "sdpa": return impl == SPLIT_SDPA
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(SPLIT_SDPA, split_sdpa); AttentionMaskInterface.register(SPLIT_SDPA, sdpa_mask)
+    lm.set_attn_implementation(SPLIT_SDPA)
+    return lm.config._attn_implementation == SPLIT_SDPA
+
+
 # %% ../../nbs/models/07d_hf_score.ipynb #cadbf2bc
 @patch
 def _option_logprobs_one_pass(self:HFScoring, context_ids:list[int], conts:list[list[int]])->list[float]:
@@ -151,9 +177,10 @@ def _option_logprobs_one_pass(self:HFScoring, context_ids:list[int], conts:list[
     ids = context_ids + [t for c in conts for t in c[:-1]]
     mask = torch.zeros(allowed.shape, dtype=self.lm.dtype).masked_fill_(~allowed, torch.finfo(self.lm.dtype).min)
     keep = len(ids) - len(context_ids) + 1               # the context's last position and every option token read
+    split = {"causal_rows": len(context_ids)} if use_split_sdpa(self.lm) else {}
     with torch.inference_mode():
         logits = self.lm(input_ids=torch.tensor([ids], device=self.device), attention_mask=mask[None, None].to(self.device),
-                         position_ids=torch.tensor([pos], device=self.device), use_cache=False, logits_to_keep=keep).logits[0].float()
+                         position_ids=torch.tensor([pos], device=self.device), use_cache=False, logits_to_keep=keep, **split).logits[0].float()
         lse = logits.logsumexp(-1)
         vals, r = [], 1                                  # row 0 predicts each option's first token; row r the token after it
         for c in conts:
@@ -164,10 +191,10 @@ def _option_logprobs_one_pass(self:HFScoring, context_ids:list[int], conts:list[
 # %% ../../nbs/models/07d_hf_score.ipynb #53bfb222
 @patch
 def _one_pass_ok(self:HFScoring)->bool:
-    "Whether this model's attention takes `_option_logprobs_one_pass`'s mask: sdpa or eager, full attention, `position_ids`"
+    "Whether this model's attention takes `_option_logprobs_one_pass`'s mask: sdpa (or `split_sdpa`) or eager, full attention, `position_ids`"
     cfg = self.lm.config
     layers = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    return ({"position_ids", "logits_to_keep"} <= self._forward_args and getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager")
+    return ({"position_ids", "logits_to_keep"} <= self._forward_args and getattr(cfg, "_attn_implementation", None) in ("sdpa", SPLIT_SDPA, "eager")
             and not getattr(cfg, "sliding_window", None) and layers == {"full_attention"})
 
 # %% ../../nbs/models/07d_hf_score.ipynb #580bb38f
