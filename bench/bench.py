@@ -18,7 +18,8 @@ rounds and ratios. Absolute numbers are not stable here; the ratios are what to 
   job's roofline (prefill at the matmul peak, each decoding step of one batch of all prompts at the larger of its
   FLOPs at the peak and its bytes at the memory bandwidth measured in each round);
 - end to end, `medsafe run --scoring logprob --limit --e2e-limit` as a user types it (a fresh folder each time, the
-  model's load included): the defaults against `--batch-size 1`, with their answers and p_gold compared;
+  model's load included): the defaults against `--batch-size 1`, with their answers and p_gold compared, each
+  method's round range, and how many prompts the automatic plan batched with others (none: the two run one plan);
 - the OpenAI-compatible client against minimal asyncio clients on the same HTTP library (httpx2, the peer the targets
   name) and on httpx, and the ideal, on a local server answering after 50 ms, at concurrency 1-256: requests/s and
   client CPU per request (at least `API_ROUNDS` rounds);
