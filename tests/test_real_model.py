@@ -165,3 +165,26 @@ def test_vllm_serves_the_cached_copy_and_agrees(smollm2_checkpoint, items, tmp_p
     print(f"option log-probabilities, vLLM against in-process: largest difference {worst:.2e} over {sum(len(r.candidates) for r in reqs)} options")
     cols = ["item_id", "condition", "pred", "pred_norm"]
     assert opt_runs["vllm"][cols].equals(opt_runs["inprocess"][cols])
+
+
+GPU_CHECK_ROWS = ("device", "torch / transformers", "float32 matmul peak", "copy bandwidth", "model", "load (HFBackend)",
+                  "scoring", "scoring MFU", "generation", "generation vs roofline", "real model (smollm2)",
+                  "smollm2 letter scoring", "smollm2 option scoring", "smollm2 generation", "accelerate launch",
+                  "full benchmark, scoring", "full benchmark, generation", "wall time")
+
+
+def test_gpu_check_runs_on_the_cpu(smollm2_checkpoint):
+    """`bench/gpu.sh`, the check a lent GPU machine runs (no GPU here, nor in CI), on its small float32 shape and 24
+    prompts: every row of its table is measured, in order, and none failed"""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(root / "bench" / "gpu.sh"), "--small", "--prompts", "24", "--gen-prompts", "4", "--new-tokens", "8"],
+                       capture_output=True, text=True, timeout=470 + 30, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["measure", "value"], r.stdout[:500]
+    rows = {l[:26].strip(): l[28:] for l in lines[2:] if l.strip()}
+    assert tuple(rows) == GPU_CHECK_ROWS, r.stdout
+    assert not any(w in v for v in rows.values() for w in ("FAILED", "not measured")), r.stdout
+    assert rows["scoring"].startswith("24 prompts") and rows["smollm2 letter scoring"].endswith("(0 errors)")
+    assert rows["smollm2 option scoring"].endswith("(0 errors)") and rows["smollm2 generation"].startswith("4 prompts x 8 new tokens")
+    assert "48 rows, {'ok': 48}" in rows["accelerate launch"]                # `medsafe run --limit 16` over clean, type1, type2
