@@ -117,18 +117,19 @@ def row_prompts(run_dir:str|Path,               # the run folder
         preds = p0 if preds is None else preds
         record = r0 if record is None else record
     scoring = record.get("scoring", "generate")
-    items = _run_items(record)
-    rendered = {}
-    if items is not None:
+    def render()->dict:                         # the run's prompts rebuilt, by (item, condition, target)
+        items = _run_items(record)
+        if items is None: return {}
         wanted = [items[i] for i in dict.fromkeys(preds.item_id) if i in items]
         conds = [c for c in ALL_CONDITIONS if c in set(preds.condition)]
         try: prompts = _build_prompts(wanted, conds, record)
         except MedsafeError: prompts = []
-        rendered = {(p.item_id, p.condition, p.target or ""): p for p in prompts}
+        return {(p.item_id, p.condition, p.target or ""): p for p in prompts}
     keyed = [(r.item_id, r.condition, r.target if isinstance(r.target, str) else "") for r in preds.itertuples()]
+    rendered = None                             # built only where a key must be computed or a prompt is not in the ledger
     if "prompt_id" in preds.columns: keys = [k if isinstance(k, str) and k else None for k in preds.prompt_id]
     elif "identity" in record:
-        keys = []
+        rendered, keys = render(), []
         for k in keyed:
             p = rendered.get(k)
             if p is None: keys.append(None); continue
@@ -136,6 +137,7 @@ def row_prompts(run_dir:str|Path,               # the run folder
             keys.append(request_key(record["identity"], op, request_payload(req)))
     else: keys = [None] * len(preds)
     stored = _ledger_requests(_ledger_path(run_dir, record), keys)
+    if rendered is None: rendered = render() if any(k not in stored for k in keys) else {}
     messages, source = [], []
     for k, kk in zip(keys, keyed):
         if k in stored: messages.append(list(stored[k]["messages"])); source.append("ledger")
@@ -149,13 +151,15 @@ def answer_methods(preds:pd.DataFrame,        # a predictions table
                    scoring:str="generate",    # the run's scoring
                   )->pd.Series:               # extraction method per row
     "How each row's answer was read from its reply (`extract_answer_detail(...).method`)"
-    out = []
+    out, read = [], {}                           # (item, reply) -> method: a reply repeated for one item is read once
     for i, r in zip(preds.index, preds.itertuples()):
         if r.status == "error": out.append("error"); continue
         if scoring in ("logprob", "options"): out.append(scoring); continue   # scored, not read from a reply
         it = (items or {}).get(r.item_id)
         if it is None: out.append("unknown"); continue
-        out.append(extract_answer_detail(r.raw if isinstance(r.raw, str) else "", it.options, multi=it.is_multi).method)
+        raw = r.raw if isinstance(r.raw, str) else ""
+        if (r.item_id, raw) not in read: read[r.item_id, raw] = extract_answer_detail(raw, it.options, multi=it.is_multi).method
+        out.append(read[r.item_id, raw])
     return pd.Series(out, index=preds.index, dtype=object)
 
 # %% ../nbs/17_report.ipynb #0078bafb
