@@ -138,8 +138,7 @@ def main():
     rows += [("device", torch.cuda.get_device_name(0) if gpus else f"cpu ({os.cpu_count()} cores)"),
             ("torch / transformers", f"{torch.__version__} / {__import__('transformers').__version__}")]
     if dev.type == "cpu":                              # the CPU's fastest kernel, oneDNN's packed linear among them, as bench.py measures it
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench import matmul_peak as cpu_peak
+        from bench import matmul_peak as cpu_peak     # bench/bench.py, beside this script (its folder is on sys.path)
         peak = cpu_peak(dtype)
     else: peak = matmul_peak(dev, dtype, 2048 if small else 8192)
     bw = copy_bandwidth(dev, (64 if small else 2048) * 2 ** 20)
@@ -151,6 +150,7 @@ def main():
     from medsafe_nb.protocols import build_prompts
     from medsafe_nb.models.base import GenRequest, ScoreRequest
     from medsafe_nb.models.hf import HFBackend
+    from medsafe_nb.models.hf_plan import AUTO_BATCH
     work = Path(tempfile.mkdtemp(prefix="medsafe-gpu-"))
     try:
         t0 = time.perf_counter()
@@ -163,7 +163,8 @@ def main():
 
         prompts = build_prompts(load_medmisbench(), ("clean", "type1", "type2"))[:args.prompts]
         score_reqs = [ScoreRequest(p.messages, p.keys) for p in prompts if not p.multi]
-        list(backend.score(score_reqs[:backend.batch_size]))                       # warm-up (kernels, allocator)
+        warm = backend.batch_size or AUTO_BATCH[dev.type, "score"][0]               # one batch, fixed or automatic at its largest
+        list(backend.score(score_reqs[:warm]))                                      # warm-up (kernels, allocator)
         sync(dev); t0 = time.perf_counter()
         scores = [s for _, s in backend.score(score_reqs)]
         sync(dev); dt = time.perf_counter() - t0
