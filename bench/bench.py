@@ -4,7 +4,8 @@ Setup: a random-weight Llama (hidden 512, head_dim 64, 4 layers and a 32,000-tok
 by default, on the tokenizer and chat template of `medsafe_nb.testing.doubles`'s tiny model), the sample's
 real prompts (clean, type1 and type2 of the first items), CPU, in the checkpoint's own precision (fp32: the default
 rule, `hf_plan.auto_dtype`), with bf16 as the opt-in (`--model-args dtype=bfloat16`) beside it. Every method runs once per round and the rounds
-interleave the methods, so a slow moment of this shared machine hits all of them; the table shows medians over the
+interleave the methods, so a slow moment of this shared machine hits all of them, and each method starts on a quiet
+CPU (`settle`: the threads of a vLLM server or lm-eval worker are left to stop first); the table shows medians over the
 rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
 
 - scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults (on a CPU in fp32,
@@ -201,6 +202,26 @@ def timed(fn):
     t0 = time.perf_counter(); out = fn(); return time.perf_counter() - t0, out
 
 
+def cpu_busy()->tuple[float, float]:
+    "The machine's (busy, all) CPU time so far in clock ticks, summed over its cores (/proc/stat: Linux; (0, 0) elsewhere)"
+    try: ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError): return 0.0, 0.0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)          # idle and iowait
+    return float(sum(ticks[:8]) - idle), float(sum(ticks[:8]))
+
+
+def settle(quiet:float=0.1, window:float=0.25, timeout:float=5.0)->float:
+    """Wait until the machine is quiet (under `quiet` of one core busy over `window` seconds), at most `timeout`
+    seconds; the seconds waited. Between the methods of a comparison: a vLLM server keeps its threads polling for about
+    a second after its last request, and a method timed in that second shares the CPU with them (on 2 cores in-process
+    option scoring of 18 prompts took 6.2-6.3 s there against 5.2-5.4 s after a pause)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        b0, a0 = cpu_busy(); time.sleep(window); b1, a1 = cpu_busy()
+        if a1 <= a0 or (b1 - b0) / (a1 - a0) * (os.cpu_count() or 1) < quiet: break
+    return time.perf_counter() - t0
+
+
 def best_keys(results:dict)->list:
     return [max(s.logprobs, key=s.logprobs.get) for _, s in sorted(results.items())]
 
@@ -352,6 +373,7 @@ def main():
                  ("gen_naive", lambda: naive_generate(lm, tok, gen_texts, args.new_tokens))]
         if r % 2: runs.reverse()                               # alternate the order between rounds
         for name, fn in runs:
+            settle()                                                     # the lm-eval worker's threads, should they still spin
             R["peak"].append(matmul_peak(torch.float32, seconds=0.15))   # before every method: the best one is the peak
             if name == "score_hflm": dt, out = fn()
             else: dt, out = timed(fn)
@@ -492,7 +514,7 @@ def bench_vllm(rep, model, fast, score_reqs, gen_reqs, rounds):
             runs = [("v_score", lambda: best_keys(dict(v.score(score_reqs)))), ("i_score", lambda: best_keys(dict(fast.score(score_reqs)))),
                     ("v_gen", lambda: [g.text for _, g in sorted(v.generate(gen_reqs))]), ("i_gen", lambda: [g.text for _, g in sorted(fast.generate(gen_reqs))])]
             for k, fn in (runs if r % 2 == 0 else runs[::-1]):
-                dt, o = timed(fn); R[k].append(dt); got.setdefault(k, o)
+                settle(); dt, o = timed(fn); R[k].append(dt); got.setdefault(k, o)
         n_new = len(gen_reqs) * gen_reqs[0].max_new_tokens
         s_agree = sum(a == b for a, b in zip(got["v_score"], got["i_score"]))
         g_agree = sum(a == b for a, b in zip(got["v_gen"], got["i_gen"]))

@@ -22,8 +22,10 @@ then one table whose last column says which goal each row met or missed.
   of a log-probability; each disagreement is printed with both backends' margins. Goal: option scoring >= 1.0x
   in-process with the same answers. `--skip vllm`, or no .venv-vllm: its rows say why not.
 
-The fp32 matmul peak is sampled at the start and before every method, the memory bandwidth at the start and once per
-round (bench.py's `matmul_peak` and `memory_bandwidth`); a row uses the best samples so far. On this shared machine
+Each method starts on a quiet CPU (bench.py's `settle`: a vLLM server's threads poll for a second after its last
+request, and would share the CPU with the method after it). The fp32 matmul peak is sampled at the start and before
+every method, the memory bandwidth at the start and once per round (bench.py's `matmul_peak` and
+`memory_bandwidth`); a row uses the best samples so far. On this shared machine
 the absolute numbers move with the load (printed with every row): read the ratios, and rerun with `--rounds 3` on a
 quiet machine for figures to keep. Nothing is asserted. The defaults fit in `--budget` (300 s): a part that would
 start after it is not measured, and its row says so. SIGTERM, SIGHUP or Ctrl-C stop the script with the vLLM server
@@ -40,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from bench import Shape, HFLMWorker, Report, best_keys, matmul_peak, memory_bandwidth, naive_generate, stop_on_signals, timed   # bench/bench.py
+from bench import Shape, HFLMWorker, Report, best_keys, matmul_peak, memory_bandwidth, naive_generate, settle, stop_on_signals, timed   # bench/bench.py
 
 med = statistics.median
 T0 = time.perf_counter()
@@ -128,13 +130,16 @@ class Limits:
 
 
 def interleave(methods:list, rounds:int, lim:Limits, label:str)->tuple[dict, dict]:
-    "Each of `methods` (name, fn -> (seconds, output)) once per round, the order reversed every other round, a peak sample before each"
+    """Each of `methods` (name, fn -> (seconds, output)) once per round, the order reversed every other round; before
+    each, the machine left to settle (`bench.settle`: a vLLM server's or lm-eval worker's threads still busy) and a peak sample"""
     R, got = {m: [] for m, _ in methods}, {}
     for r in range(rounds):
+        waited = 0.0
         for name, fn in (methods if r % 2 == 0 else methods[::-1]):
-            lim.sample_peak()
+            waited += settle(); lim.sample_peak()
             dt, out = fn(); R[name].append(dt); got.setdefault(name, out)
-        print(f"  {label} round {r + 1}: " + ", ".join(f"{m} {R[m][-1]:.1f}s" for m, _ in methods) + f" ({load()})", flush=True)
+        print(f"  {label} round {r + 1}: " + ", ".join(f"{m} {R[m][-1]:.1f}s" for m, _ in methods)
+              + f" ({load()}; {waited:.1f} s waiting for a quiet CPU)", flush=True)
     varied = [f"{m} {max(x) / min(x):.1f}x" for m, x in R.items() if max(x) > 1.5 * min(x)]
     if varied: print(f"  note: the rounds differ by more than 1.5x ({', '.join(varied)}): the load changed; the medians carry it", flush=True)
     return {m: med(x) for m, x in R.items()}, got

@@ -17,7 +17,8 @@ from .openai import OpenAIBackend
 # %% auto #0
 __all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'GENERATION_CONFIGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'CPU_BLOCK_SIZE',
            'EngineError', 'find_vllm_python', 'visible_gpus', 'vllm_args', 'forced_plugin_dir', 'free_port',
-           'VLLMServer', 'VLLMBackend', 'ServedText', 'forced_logprob', 'vllm_backend', 'vllm_engine']
+           'VLLMServer', 'VLLMBackend', 'ServedText', 'forced_logprob', 'served_block_size', 'reader_tokens',
+           'vllm_backend', 'vllm_engine']
 
 # %% ../../nbs/models/07a_vllm.ipynb #588f6ab6
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -318,6 +319,22 @@ def forced_logprob(reply:dict,     # a `/completions` reply to a forced continua
                          f"it was started without the logits processor {PLUGIN}")
     return float(sum(vals))
 
+# %% ../../nbs/models/07a_vllm.ipynb #c1a0e0b2
+def served_block_size(command:list[str])->int|None:
+    "The KV-cache block size a vLLM server command sets (`--block-size N` or `--block-size=N`); None when it leaves vLLM's own"
+    for i, a in enumerate(command):
+        v = command[i + 1] if a == "--block-size" and i + 1 < len(command) else a.split("=", 1)[1] if a.startswith("--block-size=") else None
+        if v is not None: return int(v) if v.isdigit() and int(v) > 0 else None
+    return None
+
+def reader_tokens(n:int,               # the prompt's length (tokens)
+                  block:int|None,      # the server's cache block (`served_block_size`); None: not known
+                 )->int:               # how many of the prompt's first tokens the first request reads (0: no first request)
+    """The first request of an item reads only the prompt's tokens an option can find cached: whole blocks, and never
+    the prompt's last token (vLLM computes a prompt's last token even when it is cached). The rest, under a block,
+    each option computes anyway; the whole prompt when the block size is not known"""
+    return n if not block else (n - 1) // block * block
+
 # %% ../../nbs/models/07a_vllm.ipynb #c1a0e004
 @patch
 def score(self:VLLMBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Scores]]:
@@ -333,6 +350,7 @@ def score(self:VLLMBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Sc
     prepared = [self._served_text.option_tokens(r.messages, r.prefix, r.continuations) for r in reqs]
     url = self.server.base_url.rstrip("/") + "/completions"      # the server's own URL: no query string
     salt = {k: v for k, v in (self.extra_body or {}).items() if k == "cache_salt"}   # a caller's prefix-cache namespace
+    block = served_block_size(cmd)
     def body(ids, cont):
         return {"model": self.model, "prompt": ids, "max_tokens": len(cont), "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
                 "return_tokens_as_token_ids": True, "vllm_xargs": {FORCE_KEY: cont}, **salt}
@@ -340,7 +358,8 @@ def score(self:VLLMBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Sc
         i, (ids, conts) = job
         t0 = time.perf_counter()
         if any(not c for c in conts): return Scores({}, error="vllm: an option text has no tokens")
-        await client.create(body(ids, conts[0][:1]), url=url)          # reads the prompt (one step): every option then finds it in the prefix cache
+        if k := reader_tokens(len(ids), block):          # reads the prompt's cacheable part (one step; its token is not read): every option then finds it cached
+            await client.create(body(ids[:k], conts[0][:1]), url=url)
         reps = await asyncio.gather(*(client.create(body(ids, c), url=url) for c in conts))
         vals = [forced_logprob(rep, c) for rep, c in zip(reps, conts)]
         return Scores(dict(zip(reqs[i].candidates, vals)), prompt_tokens=len(ids) + sum(map(len, conts)), latency_s=time.perf_counter() - t0)
