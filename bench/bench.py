@@ -210,7 +210,7 @@ def cpu_busy()->tuple[float, float]:
     return float(sum(ticks[:8]) - idle), float(sum(ticks[:8]))
 
 
-def settle(quiet:float=0.1, window:float=0.25, timeout:float=5.0)->float:
+def settle(quiet:float=0.1, window:float=0.25, timeout:float=3.0)->float:
     """Wait until the machine is quiet (under `quiet` of one core busy over `window` seconds), at most `timeout`
     seconds; the seconds waited. Between the methods of a comparison: a vLLM server keeps its threads polling for about
     a second after its last request, and a method timed in that second shares the CPU with them (on 2 cores in-process
