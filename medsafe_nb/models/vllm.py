@@ -321,11 +321,12 @@ def forced_logprob(reply:dict,     # a `/completions` reply to a forced continua
 
 # %% ../../nbs/models/07a_vllm.ipynb #c1a0e0b2
 def served_block_size(command:list[str])->int|None:
-    "The KV-cache block size a vLLM server command sets (`--block-size N` or `--block-size=N`); None when it leaves vLLM's own"
+    "The KV-cache block size a vLLM server command sets (`--block-size N` or `--block-size=N`, the last one given, as vLLM reads them); None when it leaves vLLM's own"
+    found = None
     for i, a in enumerate(command):
         v = command[i + 1] if a == "--block-size" and i + 1 < len(command) else a.split("=", 1)[1] if a.startswith("--block-size=") else None
-        if v is not None: return int(v) if v.isdigit() and int(v) > 0 else None
-    return None
+        if v is not None: found = int(v) if v.isdigit() and int(v) > 0 else None
+    return found
 
 def reader_tokens(n:int,               # the prompt's length (tokens)
                   block:int|None,      # the server's cache block (`served_block_size`); None: not known
