@@ -4,9 +4,9 @@ Setup: a random-weight Llama (hidden 512, head_dim 64, 4 layers and a 32,000-tok
 by default, on the tokenizer and chat template of `medsafe_nb.testing.doubles`'s tiny model), the sample's
 real prompts (clean, type1 and type2 of the first items), CPU, in the checkpoint's own precision (fp32: the default
 rule, `hf_plan.auto_dtype`), with bf16 as the opt-in (`--model-args dtype=bfloat16`) beside it. Every method runs once per round and the rounds
-interleave the methods, so a slow moment of this shared machine hits all of them, and each method starts on a quiet
-CPU (`settle`: the threads of a vLLM server or lm-eval worker are left to stop first); the table shows medians over the
-rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
+interleave the methods, so a slow moment of this shared machine hits all of them, and each scoring, generation and
+vLLM method starts on a quiet CPU (`settle`: the threads of a vLLM server or lm-eval worker are left to stop first);
+the table shows medians over the rounds and ratios. Absolute numbers are not stable here; the ratios are what to read.
 
 - scoring (letter log-probabilities, one call of `--prompts` prompts): the toolkit at its defaults (on a CPU in fp32,
   linear layers by oneDNN from packed weights: `hf_cpu`), at batch 1, at a fixed batch of 8, with
