@@ -14,7 +14,7 @@ from .hf_plan import local_revision, hub_access, resolve_commit, checkpoint_dtyp
 from .hf_plan import shard, plan_batches, AUTO_BATCH, plain_greedy, plain_sampling, leave_process_group
 from .hf_plan import PLAIN_CHAT_TEMPLATE, merge_system, chat_template_of, chat_prompt
 from .gguf import gguf_file_path, gguf_checkpoint
-from .hf_score import HFScoring   # `score`: letter and option scoring
+from .hf_score import HFScoring, use_split_sdpa   # `score`: letter and option scoring
 from .hf_decode import HFDecoding, sample_seed   # replies decoded together from prompts read alone
 from .hf_cpu import pack_linears   # fp32 linear layers on a CPU by oneDNN
 
@@ -106,6 +106,7 @@ class HFBackend(HFScoring, HFDecoding, Backend):
         self._load(revision, _flag(trust_remote_code, "trust_remote_code", False), dtype, device, device_map,
                    attn_implementation, chat_template)
         self.linear_kernels = self._pack_cpu(linear_kernels)   # what computes the linear layers: onednn or torch
+        use_split_sdpa(self.lm)                  # on sdpa: `hf_score.split_sdpa` (on a CPU, causal attention by query blocks)
         if self.gguf: self.model, self.revision = self.gguf["file"], "gguf-sha256:" + self.gguf["sha256"]   # the file, wherever it lies
         self.batch_size = None if batch_size is None else int(batch_size)    # None: automatic (`_plan`)
         self._micro = self.batch_size            # sub-batch cap (None: none until an out-of-memory error halves it)

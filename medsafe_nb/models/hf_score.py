@@ -12,7 +12,8 @@ from .base import ScoreRequest, Scores
 from .hf_plan import continuation_ids
 
 # %% auto #0
-__all__ = ['SPLIT_SDPA', 'HFScoring', 'option_rows', 'split_sdpa', 'use_split_sdpa']
+__all__ = ['SPLIT_SDPA', 'CAUSAL_BLOCK', 'CAUSAL_BLOCKS_UP_TO', 'HFScoring', 'option_rows', 'causal_blocks', 'split_sdpa',
+           'use_split_sdpa']
 
 # %% ../../nbs/models/07d_hf_score.ipynb #d7d0a006
 class HFScoring:
@@ -143,21 +144,55 @@ def option_rows(n:int,             # the context's length (tokens)
 
 # %% ../../nbs/models/07d_hf_score.ipynb #5b1d7c21
 SPLIT_SDPA = "medsafe_split_sdpa"   # the attention implementation `split_sdpa` is registered under in transformers
+CAUSAL_BLOCK = 64                   # query rows per block of `causal_blocks`
+CAUSAL_BLOCKS_UP_TO = 1024          # the longest prompt (tokens) `split_sdpa` reads by `causal_blocks`
+
+def causal_blocks(query, key, value,        # (batch, heads, rows, head dim); key and value may have fewer heads (grouped-query)
+                  scaling:float|None=None,  # the softmax scale (None: 1/sqrt(head dim))
+                  block:int=CAUSAL_BLOCK,   # query rows per block
+                 ):                         # (batch, rows, heads, head dim), as transformers' sdpa returns it
+    """Causal self-attention (as many keys as queries) computed `block` query rows at a time: each block reads the keys
+    up to its own last row, with a mask over the square on its diagonal"""
+    import torch
+    import torch.nn.functional as F
+    T = query.shape[2]
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    tri = torch.full((block, block), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
+    outs = []
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        mask = torch.cat([tri.new_zeros(e - s, s), tri[:e - s, :e - s]], 1)
+        outs.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, :e], value[:, :, :e], attn_mask=mask, scale=scaling, **gqa))
+    return torch.cat(outs, 2).transpose(1, 2).contiguous()
+
+def _blocks_apply(module, query, key, attention_mask, kwargs)->bool:
+    "Whether a call is plain causal self-attention on a CPU that `causal_blocks` computes: no mask, no extras sdpa would read"
+    causal = kwargs.get("is_causal")
+    if causal is None: causal = getattr(module, "is_causal", True)       # as sdpa reads it
+    return (query.device.type == "cpu" and attention_mask is None and query.shape[2] == key.shape[2]
+            and CAUSAL_BLOCK < query.shape[2] <= CAUSAL_BLOCKS_UP_TO
+            and causal is True and not kwargs.get("dropout")
+            and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "sliding_window", "s_aux")))
 
 def split_sdpa(module, query, key, value, attention_mask, causal_rows:int|None=None, **kwargs):
-    """transformers' sdpa attention; with `causal_rows` (n) and a mask over as many keys as queries, the first n query
-    rows (a one-pass option row's prompt) attend causally among the first n keys without the mask, the others read it"""
+    """transformers' sdpa attention, except that on a CPU causal self-attention without a mask is `causal_blocks`; with
+    `causal_rows` (n) and a mask over as many keys as queries, the first n query rows (a one-pass option row's prompt)
+    attend causally among the first n keys without the mask, the others read it"""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+    def causal(q, k, v):
+        if _blocks_apply(module, q, k, None, kwargs): return causal_blocks(q, k, v, kwargs.get("scaling"))
+        return sdpa(module, q, k, v, None, **kwargs)[0]
     n = causal_rows
+    if attention_mask is None and query.shape[2] == key.shape[2]: return causal(query, key, value), None
     if n is None or attention_mask is None or not 0 < n < query.shape[2] or key.shape[2] != query.shape[2]:
         return sdpa(module, query, key, value, attention_mask, **kwargs)
-    top, _ = sdpa(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], None, **kwargs)
+    top = causal(query[:, :, :n], key[:, :, :n], value[:, :, :n])
     rest, _ = sdpa(module, query[:, :, n:], key, value, attention_mask[:, :, n:], **kwargs)
     return torch.cat([top, rest], 1), None                # (batch, query rows, heads, head dim), as sdpa returns it
 
 def use_split_sdpa(lm)->bool:
-    "Move a model on sdpa attention to `split_sdpa` (the same attention wherever `causal_rows` is not passed); whether it now runs it"
+    "Move a model on sdpa attention to `split_sdpa` (sdpa itself wherever it does not take a road of its own); whether it now runs it"
     impl = getattr(lm.config, "_attn_implementation", None)
     if impl != "sdpa": return impl == SPLIT_SDPA
     from transformers import AttentionInterface
