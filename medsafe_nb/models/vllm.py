@@ -17,8 +17,8 @@ from .openai import OpenAIBackend
 # %% auto #0
 __all__ = ['VLLM_MODULE', 'VLLM_FLAGS', 'GENERATION_CONFIGS', 'INPROCESS_ONLY', 'DEFAULT_MAX_LOGPROBS', 'CPU_BLOCK_SIZE',
            'EngineError', 'find_vllm_python', 'visible_gpus', 'vllm_args', 'forced_plugin_dir', 'free_port',
-           'VLLMServer', 'VLLMBackend', 'ServedText', 'forced_logprob', 'served_block_size', 'reader_tokens',
-           'vllm_backend', 'vllm_engine']
+           'VLLMServer', 'VLLMBackend', 'ServedText', 'forced_logprob', 'served_flag', 'served_block_size',
+           'check_option_server', 'reader_tokens', 'vllm_backend', 'vllm_engine']
 
 # %% ../../nbs/models/07a_vllm.ipynb #588f6ab6
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -320,13 +320,27 @@ def forced_logprob(reply:dict,     # a `/completions` reply to a forced continua
     return float(sum(vals))
 
 # %% ../../nbs/models/07a_vllm.ipynb #c1a0e0b2
-def served_block_size(command:list[str])->int|None:
-    "The KV-cache block size a vLLM server command sets (`--block-size N` or `--block-size=N`, the last one given, as vLLM reads them); None when it leaves vLLM's own"
+def served_flag(command:list[str], # a vLLM server command
+                flag:str,          # e.g. `--block-size`
+               )->str|None:        # its value, the last one given; None when the command leaves it out
+    "The value a vLLM server command gives a flag, read as vLLM reads it: `--flag V` or `--flag=V`, with dashes or underscores"
     found = None
     for i, a in enumerate(command):
-        v = command[i + 1] if a == "--block-size" and i + 1 < len(command) else a.split("=", 1)[1] if a.startswith("--block-size=") else None
-        if v is not None: found = int(v) if v.isdigit() and int(v) > 0 else None
+        name, eq, v = a.partition("=")
+        if name.startswith("--") and name.replace("_", "-") == flag:
+            found = v if eq else command[i + 1] if i + 1 < len(command) else None
     return found
+
+def served_block_size(command:list[str])->int|None:
+    "The KV-cache block size a vLLM server command sets (`served_flag`); None when it leaves vLLM's own"
+    v = served_flag(command, "--block-size")
+    return int(v) if v is not None and v.isdigit() and int(v) > 0 else None
+
+def check_option_server(command:list[str]):
+    "Refuse option scoring on a server whose returned log-probabilities are not the model's own"
+    if (mode := served_flag(command, "--logprobs-mode")) not in (None, "raw_logprobs"):
+        raise ConfigError(f"vllm: option scoring reads the model's own log-probabilities, and this server returns {mode}: "
+                          "drop --logprobs-mode (its default is raw_logprobs)")
 
 def reader_tokens(n:int,               # the prompt's length (tokens)
                   block:int|None,      # the server's cache block (`served_block_size`); None: not known
@@ -345,8 +359,7 @@ def score(self:VLLMBackend, requests:list[ScoreRequest])->Iterator[tuple[int, Sc
     if any(r.continuations is None or len(r.continuations) != len(r.candidates) for r in reqs):
         raise ValueError("option scoring needs one continuation per candidate in every request")
     cmd = self.server.command
-    if "--logprobs-mode" in cmd and cmd[cmd.index("--logprobs-mode") + 1] != "raw_logprobs":
-        raise ConfigError("vllm: option scoring reads the model's own log-probabilities: drop --logprobs-mode (its default is raw_logprobs)")
+    check_option_server(cmd)
     if self._served_text is None: self._served_text = ServedText(self.model)
     prepared = [self._served_text.option_tokens(r.messages, r.prefix, r.continuations) for r in reqs]
     url = self.server.base_url.rstrip("/") + "/completions"      # the server's own URL: no query string
